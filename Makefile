@@ -1,0 +1,40 @@
+# attn_monitor developer tasks.  `make test` is the test command.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: venv test lint typecheck demo bench
+
+venv: $(STAMP)
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch is pinned and installed first: an unpinned resolve could pull a
+# multi-GB CUDA build, while 2.13.0 resolves to the local CPU wheel and then
+# satisfies `torch>=2.4` in pyproject.toml, so pip leaves it alone.
+$(STAMP): pyproject.toml | $(VPY)
+	$(VPY) -m pip install --upgrade pip
+	$(VPY) -m pip install "torch==$(TORCH_VERSION)"
+	$(VPY) -m pip install -e ".[dev]"
+	touch $@
+
+test: venv
+	$(VPY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+lint: venv
+	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
+
+typecheck: venv
+	$(VPY) -m mypy
+
+demo: venv
+	$(VPY) examples/train_tiny_gpt.py
+
+bench: venv
+	$(VPY) benchmarks/run_all.py

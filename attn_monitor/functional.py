@@ -1,0 +1,423 @@
+"""Attention entropy as pure tensor math: no state, hooks or logging.
+
+For one query with attention weights ``p`` over its valid keys (its support),
+``H(p) = -sum_i p_i ln p_i`` in nats and ``H / ln(n)`` normalised to [0, 1],
+where ``n`` is the number of valid keys (DESIGN.md §2). Everything here
+accumulates in float32 at least, whatever the input dtype.
+
+Rules shared by every function:
+
+* A query with no valid key gets NaN.
+* With ``normalize=True`` a query with exactly one valid key gets NaN too:
+  its only distribution is [1] and ``0 / ln(1)`` is undefined.
+* Nothing else is ever NaN; bad input raises instead.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from attn_monitor.masks import Support, broadcasts_to
+
+__all__ = [
+    "attention_entropy",
+    "entropy_from_logits",
+    "entropy_from_qk",
+    "histogram_quantile",
+    "normalize_entropy",
+]
+
+Method = Literal["auto", "fused", "chunked"]
+
+#: Default working memory for one block of scores in the chunked path.
+DEFAULT_MEMORY_BUDGET = 64 * 2**20
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_4d(name: str, value: object, layout: str) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"Expected `{name}` to be a torch.Tensor, got {type(value).__name__}.")
+    if value.dim() != 4:
+        raise ValueError(f"Expected `{name}` with 4 dims {layout}, got shape {tuple(value.shape)}.")
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"Expected `{name}` with a floating point dtype, got {value.dtype}.")
+    if value.numel() == 0:
+        raise ValueError(f"Expected `{name}` without empty dims {layout}, got shape {tuple(value.shape)}.")
+    return value
+
+
+def _check_bool_mask(mask: object, shape: torch.Size) -> Tensor | None:
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"Expected `mask` to be a bool torch.Tensor or None, got {type(mask).__name__}.")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"Expected `mask` with dtype torch.bool (True = visible key), got {mask.dtype}.")
+    if not broadcasts_to(tuple(mask.shape), tuple(shape)):
+        raise ValueError(
+            f"Expected `mask` broadcastable to {tuple(shape)} (batch, heads, query, key), "
+            f"got shape {tuple(mask.shape)}."
+        )
+    return mask
+
+
+def normalize_entropy(entropy: Tensor, num_valid: Tensor) -> Tensor:
+    """Divide entropy in nats by ``ln(num_valid)``, giving values in [0, 1].
+
+    Args:
+        entropy: per-query entropy in nats, any shape.
+        num_valid: number of valid keys per query, broadcastable to ``entropy``.
+
+    Returns:
+        Normalised entropy with ``entropy``'s broadcast shape, float32 or
+        float64; NaN where ``num_valid <= 1`` (never divides by ``ln 1``).
+
+    Example:
+        >>> normalize_entropy(torch.tensor([math.log(4.0), 0.0, 0.0]), torch.tensor([4, 1, 0]))
+        tensor([1., nan, nan])
+    """
+    entropy = entropy.to(_compute_dtype(entropy.dtype))
+    count = num_valid.to(entropy.dtype)
+    has_choice = count > 1
+    denominator = torch.where(has_choice, count, torch.full_like(count, 2.0)).log()
+    return torch.where(
+        has_choice, (entropy / denominator).clamp(0.0, 1.0), torch.full_like(entropy * denominator, math.nan)
+    )
+
+
+def _finish(entropy: Tensor, num_valid: Tensor, normalize: bool) -> Tensor:
+    """Apply the shared NaN rules and bounds to raw per-query entropy."""
+    count = num_valid.to(entropy.dtype).expand_as(entropy)
+    upper = torch.where(count > 0, count, torch.ones_like(count)).log()
+    # ``+ 0.0`` turns the -0.0 of a one-hot row into 0.0.
+    bounded = torch.minimum(entropy.clamp(min=0.0), upper) + 0.0
+    entropy = torch.where(count > 0, bounded, torch.full_like(entropy, math.nan))
+    return normalize_entropy(entropy, count) if normalize else entropy
+
+
+def attention_entropy(attn: Tensor, mask: Tensor | None = None, *, normalize: bool = False) -> Tensor:
+    """Entropy of each query's attention distribution, from probabilities.
+
+    The weights are restricted to the support given by ``mask`` and
+    renormalised there, so masked slots may hold zeros or small leftovers.
+
+    Args:
+        attn: (batch, heads, query, key) attention probabilities.
+        mask: bool, broadcastable to ``attn``; True = the key is visible to the
+            query (the SDPA convention). None means every key is valid.
+        normalize: divide by ``ln(number of valid keys)``.
+
+    Returns:
+        (batch, heads, query) entropy in nats, or normalised to [0, 1].
+
+    Raises:
+        TypeError: ``attn`` or ``mask`` of the wrong type or dtype.
+        ValueError: wrong shapes; NaN, inf or negative weights; a query whose
+            weights put no mass on its (non-empty) support.
+
+    Example:
+        >>> uniform = torch.full((1, 1, 1, 4), 0.25)
+        >>> attention_entropy(uniform, normalize=True)
+        tensor([[[1.]]])
+        >>> one_hot = torch.tensor([[[[0.0, 1.0, 0.0, 0.0]]]])
+        >>> attention_entropy(one_hot, normalize=True)
+        tensor([[[0.]]])
+    """
+    attn = _check_4d("attn", attn, "(batch, heads, query, key)")
+    mask = _check_bool_mask(mask, attn.shape)
+    if not torch.isfinite(attn).all():
+        raise ValueError("Expected `attn` to hold finite probabilities, got NaN or inf values.")
+    if (attn < 0).any():
+        raise ValueError(f"Expected `attn` to hold non-negative probabilities, got minimum {attn.min().item():.3g}.")
+    probs = attn.to(_compute_dtype(attn.dtype))
+    if mask is None:
+        num_valid = torch.full(probs.shape[:-1], probs.shape[-1], device=probs.device)
+    else:
+        probs = torch.where(mask, probs, torch.zeros((), dtype=probs.dtype, device=probs.device))
+        num_valid = mask.expand(attn.shape).sum(-1)
+    mass = probs.sum(-1, keepdim=True)
+    stranded = (mass.squeeze(-1) == 0) & (num_valid > 0)
+    if stranded.any():
+        raise ValueError(
+            f"`attn` puts zero mass on the support of {int(stranded.sum())} queries that have valid keys; "
+            "the mask does not match the weights."
+        )
+    probs = probs / torch.where(mass > 0, mass, torch.ones_like(mass))
+    entropy = -torch.special.xlogy(probs, probs).sum(-1)
+    return _finish(entropy, num_valid, normalize)
+
+
+def _logits_entropy(scores: Tensor, visible: Tensor | None) -> Tensor:
+    """Entropy of softmax(scores) over visible keys; NaN where none is visible.
+
+    One fused softmax and ``entr(p) = -p ln p`` (0 at p = 0), so hidden keys
+    add nothing; a row with no visible key comes out NaN from the softmax.
+    """
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -math.inf)
+    return torch.special.entr(scores.softmax(-1)).sum(-1)
+
+
+def entropy_from_logits(scores: Tensor, mask: Tensor | None = None, *, normalize: bool = False) -> Tensor:
+    """Entropy of ``softmax(scores)`` per query, for callers that hold scores.
+
+    Args:
+        scores: (batch, heads, query, key) attention logits, before softmax.
+            Without ``mask``, keys whose logit is ``-inf`` are taken as masked
+            (the additive-mask convention).
+        mask: bool, broadcastable to ``scores``; True = visible. When given,
+            it alone decides the support.
+        normalize: divide by ``ln(number of valid keys)``.
+
+    Returns:
+        (batch, heads, query) entropy in nats, or normalised to [0, 1].
+
+    Raises:
+        TypeError: wrong types or dtypes.
+        ValueError: wrong shapes, NaN or ``+inf`` logits, a visible key with a
+            ``-inf`` logit.
+
+    Example:
+        >>> entropy_from_logits(torch.zeros(1, 1, 1, 8), normalize=True).round(decimals=4)
+        tensor([[[1.]]])
+        >>> entropy_from_logits(torch.tensor([[[[0.0, -math.inf]]]]))
+        tensor([[[0.]]])
+    """
+    scores = _check_4d("scores", scores, "(batch, heads, query, key)")
+    mask = _check_bool_mask(mask, scores.shape)
+    if torch.isnan(scores).any() or (scores == math.inf).any():
+        raise ValueError("Expected `scores` without NaN or +inf values.")
+    scores = scores.to(_compute_dtype(scores.dtype))
+    finite = scores > -math.inf
+    if mask is None:
+        visible = finite
+    else:
+        if (mask & ~finite).any():
+            raise ValueError("`mask` marks keys visible whose logit is -inf; their weight would be 0, not a choice.")
+        visible = mask
+    num_valid = visible.expand(scores.shape).sum(-1)
+    return _finish(_logits_entropy(scores, visible), num_valid, normalize)
+
+
+def _check_qk(q: object, k: object) -> tuple[Tensor, Tensor]:
+    q = _check_4d("q", q, "(batch, heads, seq, head_dim)")
+    k = _check_4d("k", k, "(batch, heads, seq, head_dim)")
+    if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"Expected `k` with the batch size and head_dim of `q` {tuple(q.shape)}, got shape {tuple(k.shape)}."
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"Expected the heads of `q` ({q.shape[1]}) to be a multiple of the heads of `k` ({k.shape[1]}) "
+            "(grouped-query attention)."
+        )
+    if k.device != q.device:
+        raise ValueError(f"Expected `q` and `k` on one device, got {q.device} and {k.device}.")
+    return q, k
+
+
+def _as_support(mask: Tensor | Support | None, is_causal: bool, num_queries: int, num_keys: int) -> Support:
+    if isinstance(mask, Support):
+        if is_causal and not mask.causal:
+            raise ValueError("Pass causal order inside the `Support` (causal=True), not as `is_causal`.")
+        if (mask.num_queries, mask.num_keys) != (num_queries, num_keys):
+            raise ValueError(
+                f"Expected a `Support` for {num_queries} queries and {num_keys} keys, "
+                f"got one for {mask.num_queries} and {mask.num_keys}."
+            )
+        return mask
+    return Support(num_queries, num_keys, causal=is_causal, mask=mask)
+
+
+def _fused_lse(q: Tensor, k: Tensor, support: Support) -> tuple[Tensor, Tensor] | None:
+    """(output of attention with V = K, logsumexp) from a fused kernel, or None.
+
+    ``q`` comes pre-scaled and the kernels get ``scale=1``: the CPU kernel
+    returns NaN for causal rows with a mask when its scale is <= 0.
+    """
+    attn_mask, is_causal = support.additive_mask(q.dtype)
+    if q.device.type == "cpu":
+        kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse = kernel(q, k, k, is_causal=is_causal, attn_mask=attn_mask, scale=1.0)
+        return out, lse
+    if q.device.type == "cuda":
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        bias = None
+        if attn_mask is not None:
+            bias = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).contiguous()
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, k, bias, True, 0.0, is_causal, scale=1.0
+        )
+        return out, lse[..., : q.shape[2]]
+    return None
+
+
+def _chunked_entropy(q: Tensor, k: Tensor, support: Support, scale: float, memory_budget: int) -> Tensor:
+    """Exact entropy over query blocks; key blocks the structure hides are skipped."""
+    batch, heads, num_q, _ = q.shape
+    if k.shape[1] != heads:
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+    num_k = k.shape[2]
+    # scores, log-probabilities and probabilities are alive at once.
+    bytes_per_row = 3 * batch * heads * num_k * q.element_size()
+    block = max(1, min(num_q, memory_budget // max(1, bytes_per_row)))
+    entropy = q.new_empty(batch, heads, num_q)
+    for q_start in range(0, num_q, block):
+        q_stop = min(num_q, q_start + block)
+        k_start, k_stop = support.key_range(q_start, q_stop)
+        if k_stop == k_start:
+            entropy[:, :, q_start:q_stop] = math.nan
+            continue
+        scores = (q[:, :, q_start:q_stop] * scale) @ k[:, :, k_start:k_stop].transpose(-1, -2)
+        if support.bias is not None:
+            scores = scores + support.bias[..., q_start:q_stop, k_start:k_stop].to(scores.dtype)
+        visible = support.block(q_start, q_stop, k_start, k_stop)
+        entropy[:, :, q_start:q_stop] = _logits_entropy(scores, visible)
+    return entropy
+
+
+_warned_fallback: set[str] = set()
+
+
+def entropy_from_qk(
+    q: Tensor,
+    k: Tensor,
+    *,
+    mask: Tensor | Support | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    normalize: bool = False,
+    method: Method = "auto",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> Tensor:
+    """Entropy of ``softmax(scale * q k^T + mask)`` per query, without the matrix.
+
+    Uses ``H = lse(s) - sum_i p_i s_i`` and ``sum_i p_i s_i = scale * <q,
+    Attn(q, K, V=K)>`` (DESIGN.md §2): one fused attention call that also
+    returns the logsumexp gives every query's entropy in O(B H N D) memory.
+    The exact chunked path (query blocks under ``memory_budget`` bytes) takes
+    what the fused kernels cannot: additive biases, devices without a kernel.
+
+    Args:
+        q: (batch, heads, seq_q, head_dim) queries.
+        k: (batch, kv_heads, seq_k, head_dim) keys; ``heads`` must be a
+            multiple of ``kv_heads`` (grouped-query attention: query head h
+            uses key head ``h // (heads // kv_heads)``).
+        mask: as SDPA's ``attn_mask`` (bool True = visible, or additive float,
+            broadcastable to (batch, heads, seq_q, seq_k)), or a
+            :class:`~attn_monitor.masks.Support`.
+        is_causal: causal mask, top-left aligned as in SDPA (query i sees
+            keys j <= i, also when seq_q != seq_k).
+        scale: logit scale; defaults to ``1 / sqrt(head_dim)``.
+        normalize: divide by ``ln(number of valid keys)``.
+        method: ``"fused"``, ``"chunked"`` or ``"auto"`` (fused when it
+            applies, chunked otherwise).
+        memory_budget: bytes of working memory per score block (chunked path).
+
+    Returns:
+        (batch, heads, seq_q) entropy in nats (or normalised), float32 (float64
+        for float64 input).
+
+    Raises:
+        TypeError: wrong types or dtypes.
+        ValueError: shapes that disagree, ``method="fused"`` where it cannot
+            apply, a non-positive ``memory_budget``.
+
+    Example:
+        >>> q = torch.zeros(1, 1, 3, 4)  # equal logits: uniform over visible keys
+        >>> entropy_from_qk(q, torch.randn(1, 1, 3, 4), is_causal=True, normalize=True)
+        tensor([[[nan, 1., 1.]]])
+    """
+    q, k = _check_qk(q, k)
+    if method not in ("auto", "fused", "chunked"):
+        raise ValueError(f"Expected `method` in ('auto', 'fused', 'chunked'), got {method!r}.")
+    if not isinstance(memory_budget, int) or memory_budget <= 0:
+        raise ValueError(f"Expected `memory_budget` to be a positive int (bytes), got {memory_budget!r}.")
+    support = _as_support(mask, is_causal, q.shape[2], k.shape[2])
+    if support.batch_size not in (1, q.shape[0]):
+        raise ValueError(f"Expected the mask's batch size to be 1 or {q.shape[0]}, got {support.batch_size}.")
+    if support.mask is not None and support.mask.shape[1] not in (1, q.shape[1]):
+        raise ValueError(
+            f"Expected `mask` with 1 or {q.shape[1]} heads (the heads of `q`), got shape {tuple(support.mask.shape)}."
+        )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dtype = _compute_dtype(q.dtype)
+    q, k = q.to(dtype), k.to(dtype)
+    num_valid = support.num_valid()
+
+    fused = None
+    if method != "chunked":
+        if support.bias is not None:
+            if method == "fused":
+                raise ValueError("`method='fused'` cannot take an additive bias in `mask`; use 'chunked' or 'auto'.")
+        else:
+            try:
+                q_scaled = q * scale
+                fused = _fused_lse(q_scaled, k, support)
+            except RuntimeError as error:
+                if method == "fused":
+                    raise
+                key = f"{q.device.type}:{type(error).__name__}"
+                if key not in _warned_fallback:
+                    _warned_fallback.add(key)
+                    warnings.warn(
+                        f"Fused entropy kernel failed on {q.device.type} ({error}); using the chunked path.",
+                        stacklevel=2,
+                    )
+            if fused is None and method == "fused":
+                raise ValueError(f"`method='fused'` has no kernel on device {q.device.type}; use 'chunked' or 'auto'.")
+    if fused is None:
+        entropy = _chunked_entropy(q, k, support, scale, memory_budget)
+    else:
+        out, lse = fused
+        entropy = lse.to(dtype) - (q_scaled * out.to(dtype)).sum(-1)
+    return _finish(entropy, num_valid, normalize)
+
+
+def histogram_quantile(counts: Tensor, q: float, *, low: float = 0.0, high: float = 1.0) -> Tensor:
+    """Quantile of values binned in equal-width bins over ``[low, high]``.
+
+    Interpolates linearly inside the bin where the cumulative count crosses
+    ``q``, so the error is at most one bin width.
+
+    Args:
+        counts: (..., bins) non-negative bin counts.
+        q: quantile level in [0, 1].
+        low: left edge of the first bin.
+        high: right edge of the last bin.
+
+    Returns:
+        (...) quantiles; NaN where the histogram is empty.
+
+    Raises:
+        ValueError: ``q`` outside [0, 1].
+
+    Example:
+        >>> histogram_quantile(torch.tensor([0.0, 2.0, 2.0, 0.0]), 0.5)
+        tensor(0.5000, dtype=torch.float64)
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"Expected quantile level `q` in [0, 1], got {q!r}.")
+    counts = counts.to(torch.float64)
+    bins = counts.shape[-1]
+    total = counts.sum(-1, keepdim=True)
+    cumulative = counts.cumsum(-1)
+    target = q * total
+    # First bin whose cumulative count reaches the target (skipping empty leading bins at q = 0).
+    reached = (cumulative >= target) & (counts > 0)
+    index = reached.to(torch.int64).argmax(-1, keepdim=True)
+    before = cumulative.gather(-1, index) - counts.gather(-1, index)
+    inside = counts.gather(-1, index)
+    fraction = ((target - before) / torch.where(inside > 0, inside, torch.ones_like(inside))).clamp(0.0, 1.0)
+    width = (high - low) / bins
+    value = low + (index.to(torch.float64) + fraction) * width
+    return torch.where(total > 0, value, torch.full_like(value, math.nan)).squeeze(-1)

@@ -1,0 +1,346 @@
+"""The support of each query: which keys the model's mask lets it see.
+
+A :class:`Support` describes one attention call's mask from the pieces a
+batch and a model actually use (key padding, causal order, packed documents,
+a sliding window, an explicit boolean or additive mask) and answers the two
+questions every entropy statistic needs without building an N x N tensor for
+the structured pieces:
+
+* ``num_valid()``: how many keys each query may attend to (closed forms,
+  DESIGN.md §6), and
+* ``is_sample()``: whether the query counts at all (not a padding query, and
+  at least one visible key).
+
+It also hands out the mask in the form each entropy path needs: boolean
+blocks for the exact chunked path, an additive mask for fused kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["Support", "broadcasts_to"]
+
+
+def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to exactly ``target``.
+
+    Plain Python on purpose: ``torch.broadcast_shapes`` pulls in sympy on its
+    first call, seconds of start-up for a shape check.
+    """
+    if len(shape) > len(target):
+        return False
+    return all(size in (1, full) for size, full in zip(reversed(shape), reversed(target), strict=False))
+
+
+def _check_padding(name: str, value: Tensor | None, length: int) -> Tensor | None:
+    if value is None:
+        return None
+    if not isinstance(value, Tensor):
+        raise TypeError(f"Expected `{name}` to be a torch.Tensor, got {type(value).__name__}.")
+    if value.dtype != torch.bool and value.dtype.is_floating_point:
+        raise TypeError(f"Expected `{name}` to be a bool or integer tensor (1 = real token), got dtype {value.dtype}.")
+    if value.dim() != 2 or value.shape[1] != length:
+        raise ValueError(f"Expected `{name}` with shape (batch, {length}), got shape {tuple(value.shape)}.")
+    return value.bool()
+
+
+def _mask_to_bool_and_bias(mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Split an SDPA-style mask into visibility and any additive bias.
+
+    Boolean masks are visibility (True = visible). Float masks are additive:
+    ``-inf`` (or the dtype's most negative value, as Hugging Face writes) hides
+    a key; any other value keeps it visible, and non-zero finite values are a
+    bias that changes the attention distribution.
+    """
+    if mask.dtype == torch.bool:
+        return mask, None
+    if not mask.dtype.is_floating_point:
+        raise TypeError(f"Expected `mask` to be bool or floating point, got dtype {mask.dtype}.")
+    if torch.isnan(mask).any():
+        raise ValueError("Expected `mask` without NaN values; an additive mask uses -inf to hide a key.")
+    visible = mask > torch.finfo(mask.dtype).min / 2
+    bias = torch.where(visible, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
+    if not bias.any():
+        return visible, None
+    return visible, bias
+
+
+class Support:
+    """The set of keys each query of one attention call may attend to.
+
+    All pieces combine by intersection. Shapes: ``batch`` is B, queries Nq,
+    keys Nk. Masks follow the SDPA convention (True = the key is visible).
+
+    Args:
+        num_queries: Nq, the number of query positions.
+        num_keys: Nk, the number of key positions. Defaults to ``num_queries``.
+        padding_mask: (B, Nk) bool or 0/1 integers, True for real tokens (the
+            Hugging Face ``attention_mask``). Padding keys are never visible.
+            When Nq == Nk it also marks padding queries, which are not samples.
+        query_mask: (B, Nq) bool; overrides which queries are real tokens.
+        causal: query i sees keys j <= i (top-left aligned, as SDPA's
+            ``is_causal``).
+        window: with ``causal``, query i sees only keys j > i - window (the
+            ``window`` most recent keys, itself included).
+        document_ids: (B, N) integers for packed sequences (Nq == Nk): a query
+            sees only keys of its own document. Each document must be one
+            contiguous run of positions.
+        mask: explicit mask broadcastable to (B, H, Nq, Nk): bool (True =
+            visible) or additive float (-inf hides a key; other non-zero
+            values are a bias the exact path adds to the logits).
+
+    Raises:
+        TypeError: a mask of the wrong type or dtype.
+        ValueError: shapes that disagree, a window without ``causal`` or not
+            positive, documents that are not contiguous.
+
+    Example:
+        >>> import torch
+        >>> support = Support(4, padding_mask=torch.tensor([[1, 1, 1, 0]]), causal=True)
+        >>> support.num_valid()
+        tensor([[[1, 2, 3, 3]]])
+        >>> support.is_sample()
+        tensor([[[ True,  True,  True, False]]])
+    """
+
+    def __init__(
+        self,
+        num_queries: int,
+        num_keys: int | None = None,
+        *,
+        padding_mask: Tensor | None = None,
+        query_mask: Tensor | None = None,
+        causal: bool = False,
+        window: int | None = None,
+        document_ids: Tensor | None = None,
+        mask: Tensor | None = None,
+    ) -> None:
+        num_keys = num_queries if num_keys is None else num_keys
+        for name, value in (("num_queries", num_queries), ("num_keys", num_keys)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Expected `{name}` to be a positive int, got {value!r}.")
+        if window is not None:
+            if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+                raise ValueError(f"Expected `window` to be a positive int or None, got {window!r}.")
+            if not causal:
+                raise ValueError("`window` is a causal sliding window; pass `causal=True` with it.")
+        self.num_queries = num_queries
+        self.num_keys = num_keys
+        self.causal = bool(causal)
+        self.window = window
+        self.padding_mask = _check_padding("padding_mask", padding_mask, num_keys)
+        self.query_mask = _check_padding("query_mask", query_mask, num_queries)
+        if self.query_mask is None and self.padding_mask is not None and num_queries == num_keys:
+            self.query_mask = self.padding_mask
+        self.document_ids = self._check_documents(document_ids)
+        self.mask: Tensor | None = None
+        self.bias: Tensor | None = None
+        if mask is not None:
+            if not isinstance(mask, Tensor):
+                raise TypeError(f"Expected `mask` to be a torch.Tensor, got {type(mask).__name__}.")
+            if mask.dim() < 2 or not broadcasts_to(tuple(mask.shape[-2:]), (num_queries, num_keys)):
+                raise ValueError(
+                    f"Expected `mask` broadcastable to (batch, heads, {num_queries}, {num_keys}), "
+                    f"got shape {tuple(mask.shape)}."
+                )
+            if mask.dim() > 4:
+                raise ValueError(f"Expected `mask` with at most 4 dims, got shape {tuple(mask.shape)}.")
+            while mask.dim() < 4:
+                mask = mask.unsqueeze(0)
+            # A view, so query/key blocks can be sliced from a mask given as (..., 1, Nk).
+            mask = mask.expand(*mask.shape[:2], num_queries, num_keys)
+            self.mask, self.bias = _mask_to_bool_and_bias(mask)
+        self.batch_size = self._check_batch_sizes()
+
+    def _check_documents(self, document_ids: Tensor | None) -> Tensor | None:
+        if document_ids is None:
+            return None
+        if not isinstance(document_ids, Tensor):
+            raise TypeError(f"Expected `document_ids` to be a torch.Tensor, got {type(document_ids).__name__}.")
+        if document_ids.dtype.is_floating_point or document_ids.dtype == torch.bool:
+            raise TypeError(f"Expected `document_ids` with an integer dtype, got {document_ids.dtype}.")
+        if self.num_queries != self.num_keys:
+            raise ValueError(
+                f"`document_ids` needs self-attention (num_queries == num_keys), "
+                f"got {self.num_queries} queries and {self.num_keys} keys."
+            )
+        if document_ids.dim() != 2 or document_ids.shape[1] != self.num_keys:
+            raise ValueError(
+                f"Expected `document_ids` with shape (batch, {self.num_keys}), got shape {tuple(document_ids.shape)}."
+            )
+        runs = (document_ids[:, 1:] != document_ids[:, :-1]).sum(-1) + 1
+        ordered = document_ids.sort(dim=-1).values
+        distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(-1) + 1
+        if (runs != distinct).any():
+            row = int((runs != distinct).nonzero()[0, 0])
+            raise ValueError(
+                f"Expected each document in `document_ids` to be one contiguous run of positions; "
+                f"row {row} has {int(distinct[row])} ids in {int(runs[row])} runs."
+            )
+        return document_ids
+
+    def _check_batch_sizes(self) -> int:
+        sizes = {
+            name: int(value.shape[0])
+            for name, value in (
+                ("padding_mask", self.padding_mask),
+                ("query_mask", self.query_mask),
+                ("document_ids", self.document_ids),
+                ("mask", self.mask),
+            )
+            if value is not None and int(value.shape[0]) != 1
+        }
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Expected one batch size across the masks, got {sizes}.")
+        return next(iter(sizes.values()), 1)
+
+    @property
+    def is_structured(self) -> bool:
+        """True when no explicit mask is involved, so closed forms apply."""
+        return self.mask is None
+
+    def block(self, q_start: int, q_stop: int, k_start: int, k_stop: int) -> Tensor | None:
+        """Visibility of keys ``[k_start, k_stop)`` to queries ``[q_start, q_stop)``.
+
+        Returns:
+            Bool tensor broadcastable to (B, H, q_stop - q_start, k_stop - k_start),
+            or None when every key is visible.
+        """
+        visible: Tensor | None = None
+
+        def meet(part: Tensor) -> None:
+            nonlocal visible
+            visible = part if visible is None else visible & part
+
+        device = self._device()
+        if self.causal:
+            rows = torch.arange(q_start, q_stop, device=device)[:, None]
+            cols = torch.arange(k_start, k_stop, device=device)[None, :]
+            meet(cols <= rows)
+            if self.window is not None:
+                meet(cols > rows - self.window)
+        if self.padding_mask is not None:
+            meet(self.padding_mask[:, None, None, k_start:k_stop])
+        if self.document_ids is not None:
+            docs = self.document_ids
+            meet(docs[:, None, q_start:q_stop, None] == docs[:, None, None, k_start:k_stop])
+        if self.mask is not None:
+            meet(self.mask[..., q_start:q_stop, k_start:k_stop])
+        return visible
+
+    def dense(self) -> Tensor:
+        """The whole support as a bool tensor broadcastable to (B, H, Nq, Nk)."""
+        visible = self.block(0, self.num_queries, 0, self.num_keys)
+        if visible is None:
+            return torch.ones(1, 1, self.num_queries, self.num_keys, dtype=torch.bool, device=self._device())
+        while visible.dim() < 4:
+            visible = visible.unsqueeze(0)
+        return visible
+
+    def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        """A range of keys outside which queries ``[q_start, q_stop)`` see nothing.
+
+        Lets the chunked path skip key blocks the structure hides entirely.
+        """
+        k_start, k_stop = 0, self.num_keys
+        if self.causal:
+            k_stop = min(k_stop, q_stop)
+            if self.window is not None:
+                k_start = max(0, q_start - self.window + 1)
+        return k_start, max(k_start, k_stop)
+
+    def num_valid(self) -> Tensor:
+        """Number of visible keys per query.
+
+        Returns:
+            Long tensor broadcastable to (B, H, Nq); the head dim is 1 unless an
+            explicit per-head mask is involved.
+        """
+        if self.mask is not None:
+            visible = self.dense()
+            return visible.sum(-1, dtype=torch.long)
+        device = self._device()
+        num_q, num_k = self.num_queries, self.num_keys
+        rows = torch.arange(num_q, device=device)
+        upper = torch.clamp(rows + 1, max=num_k) if self.causal else torch.full_like(rows, num_k)
+        lower = torch.clamp(rows - self.window + 1, min=0) if self.window is not None else torch.zeros_like(rows)
+        upper, lower = upper.expand(self.batch_size, num_q), lower.expand(self.batch_size, num_q)
+        if self.document_ids is not None:
+            doc_start, doc_stop = _run_bounds(self.document_ids)
+            lower, upper = torch.maximum(lower, doc_start), torch.minimum(upper, doc_stop)
+        if self.padding_mask is None:
+            count = upper - lower
+        else:
+            # prefix[:, j] = number of real keys among positions [0, j).
+            prefix = torch.nn.functional.pad(self.padding_mask.long().cumsum(-1), (1, 0))
+            prefix = prefix.expand(self.batch_size, num_k + 1)
+            count = prefix.gather(1, upper) - prefix.gather(1, torch.minimum(lower, upper))
+        return count.clamp(min=0)[:, None, :]
+
+    def is_sample(self) -> Tensor:
+        """Whether each query counts: a real token with at least one visible key.
+
+        Returns:
+            Bool tensor broadcastable to (B, H, Nq).
+        """
+        sample = self.num_valid() > 0
+        if self.query_mask is not None:
+            sample = sample & self.query_mask[:, None, :]
+        return sample
+
+    def additive_mask(self, dtype: torch.dtype) -> tuple[Tensor | None, bool]:
+        """The support as fused SDPA kernels take it: ``(attn_mask, is_causal)``.
+
+        Causal order stays a flag and key padding a (B, 1, 1, Nk) mask, so the
+        common cases build no N x N tensor. Hidden keys get ``-inf``; any
+        additive bias of an explicit mask is kept.
+        """
+        if self.window is not None or self.document_ids is not None or self.mask is not None:
+            visible = self.dense()
+            is_causal = False
+        else:
+            visible = None if self.padding_mask is None else self.padding_mask[:, None, None, :]
+            is_causal = self.causal
+        if visible is None:
+            return None, is_causal
+        zero = torch.zeros((), dtype=dtype, device=visible.device)
+        additive = torch.where(visible, zero, torch.full((), float("-inf"), dtype=dtype, device=visible.device))
+        if self.bias is not None:
+            additive = additive + torch.where(visible, self.bias.to(dtype), zero)
+        return additive, is_causal
+
+    def _device(self) -> torch.device:
+        for value in (self.mask, self.padding_mask, self.document_ids, self.query_mask):
+            if value is not None:
+                return value.device
+        return torch.device("cpu")
+
+    def __repr__(self) -> str:
+        parts = [f"num_queries={self.num_queries}", f"num_keys={self.num_keys}"]
+        if self.padding_mask is not None:
+            parts.append("padding_mask")
+        if self.causal:
+            parts.append("causal")
+        if self.window is not None:
+            parts.append(f"window={self.window}")
+        if self.document_ids is not None:
+            parts.append("document_ids")
+        if self.mask is not None:
+            parts.append("mask" if self.bias is None else "mask+bias")
+        return f"Support({', '.join(parts)})"
+
+
+def _run_bounds(document_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Start and stop (exclusive) of the contiguous run holding each position."""
+    length = document_ids.shape[1]
+    positions = torch.arange(length, device=document_ids.device).expand_as(document_ids)
+    change = torch.ones_like(document_ids, dtype=torch.bool)
+    change[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start = torch.where(change, positions, torch.zeros_like(positions)).cummax(-1).values
+    ends = torch.ones_like(change)
+    ends[:, :-1] = change[:, 1:]
+    stop_at = torch.where(ends, positions + 1, torch.full_like(positions, length))
+    stop = stop_at.flip(-1).cummin(-1).values.flip(-1)
+    return start, stop
