@@ -26,9 +26,11 @@ from attn_monitor.masks import Support, broadcasts_to
 
 __all__ = [
     "attention_entropy",
+    "attention_lse",
     "entropy_from_logits",
     "entropy_from_qk",
     "histogram_quantile",
+    "mass_fraction",
     "normalize_entropy",
 ]
 
@@ -261,28 +263,31 @@ def _fused_lse(q: Tensor, k: Tensor, support: Support) -> tuple[Tensor, Tensor] 
     return None
 
 
-def _chunked_entropy(q: Tensor, k: Tensor, support: Support, scale: float, memory_budget: int) -> Tensor:
-    """Exact entropy over query blocks; key blocks the structure hides are skipped."""
+def _chunked_pass(q: Tensor, k: Tensor, support: Support, scale: float, memory_budget: int) -> tuple[Tensor, Tensor]:
+    """Exact (logsumexp, entropy) over query blocks; key blocks the structure hides are skipped."""
     batch, heads, num_q, _ = q.shape
     if k.shape[1] != heads:
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
     num_k = k.shape[2]
-    # scores, log-probabilities and probabilities are alive at once.
+    # scores, probabilities and their entropy terms are alive at once.
     bytes_per_row = 3 * batch * heads * num_k * q.element_size()
     block = max(1, min(num_q, memory_budget // max(1, bytes_per_row)))
-    entropy = q.new_empty(batch, heads, num_q)
+    lse = q.new_full((batch, heads, num_q), -math.inf)
+    entropy = q.new_full((batch, heads, num_q), math.nan)
     for q_start in range(0, num_q, block):
         q_stop = min(num_q, q_start + block)
         k_start, k_stop = support.key_range(q_start, q_stop)
         if k_stop == k_start:
-            entropy[:, :, q_start:q_stop] = math.nan
             continue
         scores = (q[:, :, q_start:q_stop] * scale) @ k[:, :, k_start:k_stop].transpose(-1, -2)
         if support.bias is not None:
             scores = scores + support.bias[..., q_start:q_stop, k_start:k_stop].to(scores.dtype)
         visible = support.block(q_start, q_stop, k_start, k_stop)
-        entropy[:, :, q_start:q_stop] = _logits_entropy(scores, visible)
-    return entropy
+        if visible is not None:
+            scores = scores.masked_fill(~visible, -math.inf)
+        lse[:, :, q_start:q_stop] = scores.logsumexp(-1)
+        entropy[:, :, q_start:q_stop] = _logits_entropy(scores, None)
+    return lse, entropy
 
 
 _warned_fallback: set[str] = set()
@@ -337,6 +342,74 @@ def entropy_from_qk(
         >>> entropy_from_qk(q, torch.randn(1, 1, 3, 4), is_causal=True, normalize=True)
         tensor([[[nan, 1., 1.]]])
     """
+    support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, method, memory_budget)
+    _, entropy = _qk_pass(q, k, support, scale, method, memory_budget)
+    return _finish(entropy, support.num_valid(), normalize)
+
+
+def attention_lse(
+    q: Tensor,
+    k: Tensor,
+    *,
+    mask: Tensor | Support | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    method: Method = "auto",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> Tensor:
+    """Logsumexp of ``scale * q k^T`` over each query's support, without the matrix.
+
+    The building block of the mass diagnostics (DESIGN.md §2): the attention
+    mass a query puts on a subset X of its support is
+    ``exp(lse_X - lse_all)`` (see :func:`mass_fraction`).
+
+    Args:
+        q, k, mask, is_causal, scale, method, memory_budget: as in
+            :func:`entropy_from_qk`.
+
+    Returns:
+        (batch, heads, seq_q) logsumexp, float32 (float64 for float64 input);
+        ``-inf`` where a query has no visible key.
+
+    Example:
+        >>> q = torch.zeros(1, 1, 2, 4)  # all logits 0: lse = ln(number of visible keys)
+        >>> attention_lse(q, torch.randn(1, 1, 2, 4), is_causal=True).exp()
+        tensor([[[1., 2.]]])
+    """
+    support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, method, memory_budget)
+    lse, _ = _qk_pass(q, k, support, scale, method, memory_budget)
+    return lse
+
+
+def mass_fraction(lse_part: Tensor, lse_all: Tensor) -> Tensor:
+    """Attention mass on a subset of the support: ``exp(lse_part - lse_all)``, in [0, 1].
+
+    Args:
+        lse_part: logsumexp over the subset (``-inf`` where it is empty).
+        lse_all: logsumexp over the whole support.
+
+    Returns:
+        The fraction per query; NaN where the support is empty.
+
+    Example:
+        >>> mass_fraction(torch.tensor([math.log(1.0), -math.inf]), torch.tensor([math.log(4.0), 0.0]))
+        tensor([0.2500, 0.0000])
+    """
+    fraction = (lse_part - lse_all).exp().clamp(0.0, 1.0)
+    fraction = torch.where(lse_part == -math.inf, torch.zeros_like(fraction), fraction)
+    return torch.where(lse_all == -math.inf, torch.full_like(fraction, math.nan), fraction)
+
+
+def _prepare_qk(
+    q: Tensor,
+    k: Tensor,
+    mask: Tensor | Support | None,
+    is_causal: bool,
+    scale: float | None,
+    method: str,
+    memory_budget: int,
+) -> tuple[Support, Tensor, Tensor, float]:
+    """Validate q/k inputs; return the support, q and k in the compute dtype, and the scale."""
     q, k = _check_qk(q, k)
     if method not in ("auto", "fused", "chunked"):
         raise ValueError(f"Expected `method` in ('auto', 'fused', 'chunked'), got {method!r}.")
@@ -351,36 +424,41 @@ def entropy_from_qk(
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dtype = _compute_dtype(q.dtype)
-    q, k = q.to(dtype), k.to(dtype)
-    num_valid = support.num_valid()
+    return support, q.to(dtype), k.to(dtype), scale
 
-    fused = None
+
+def _qk_pass(
+    q: Tensor, k: Tensor, support: Support, scale: float, method: str, memory_budget: int
+) -> tuple[Tensor, Tensor]:
+    """(logsumexp, entropy in nats) per query, by the fused path where it applies."""
     if method != "chunked":
         if support.bias is not None:
             if method == "fused":
                 raise ValueError("`method='fused'` cannot take an additive bias in `mask`; use 'chunked' or 'auto'.")
         else:
+            q_scaled = q * scale
             try:
-                q_scaled = q * scale
                 fused = _fused_lse(q_scaled, k, support)
             except RuntimeError as error:
                 if method == "fused":
                     raise
+                fused = None
                 key = f"{q.device.type}:{type(error).__name__}"
                 if key not in _warned_fallback:
                     _warned_fallback.add(key)
                     warnings.warn(
                         f"Fused entropy kernel failed on {q.device.type} ({error}); using the chunked path.",
-                        stacklevel=2,
+                        stacklevel=3,
                     )
-            if fused is None and method == "fused":
+            if fused is not None:
+                out, lse = fused
+                entropy = lse.to(q.dtype) - (q_scaled * out.to(q.dtype)).sum(-1)
+                # The kernels return lse 0 for rows with no visible key.
+                empty = (support.num_valid() == 0).expand_as(entropy)
+                return lse.to(q.dtype).masked_fill(empty, -math.inf), entropy
+            if method == "fused":
                 raise ValueError(f"`method='fused'` has no kernel on device {q.device.type}; use 'chunked' or 'auto'.")
-    if fused is None:
-        entropy = _chunked_entropy(q, k, support, scale, memory_budget)
-    else:
-        out, lse = fused
-        entropy = lse.to(dtype) - (q_scaled * out.to(dtype)).sum(-1)
-    return _finish(entropy, num_valid, normalize)
+    return _chunked_pass(q, k, support, scale, memory_budget)
 
 
 def histogram_quantile(counts: Tensor, q: float, *, low: float = 0.0, high: float = 1.0) -> Tensor:

@@ -17,10 +17,12 @@ blocks for the exact chunked path, an additive mask for fused kernels.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
-__all__ = ["Support", "broadcasts_to"]
+__all__ = ["Support", "broadcasts_to", "leading_keys"]
 
 
 def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -311,6 +313,35 @@ class Support:
             additive = additive + torch.where(visible, self.bias.to(dtype), zero)
         return additive, is_causal
 
+    def restrict_keys(self, keys: Tensor) -> Support:
+        """This support with only the keys where ``keys`` (B, Nk) is True left visible.
+
+        Which queries are samples does not change.
+        """
+        keys = _check_padding("keys", keys, self.num_keys)
+        derived = copy.copy(self)
+        derived.padding_mask = keys if self.padding_mask is None else self.padding_mask & keys
+        derived.batch_size = derived._check_batch_sizes()
+        return derived
+
+    def with_window(self, window: int) -> Support:
+        """This support intersected with a causal window of the ``window`` most recent keys."""
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"Expected `window` to be a positive int, got {window!r}.")
+        derived = copy.copy(self)
+        derived.causal = True
+        derived.window = window if self.window is None else min(window, self.window)
+        return derived
+
+    def with_documents(self, document_ids: Tensor) -> Support:
+        """This support intersected with "same document as the query"."""
+        if self.document_ids is not None:
+            raise ValueError("This support already has `document_ids`.")
+        derived = copy.copy(self)
+        derived.document_ids = derived._check_documents(document_ids)
+        derived.batch_size = derived._check_batch_sizes()
+        return derived
+
     def _device(self) -> torch.device:
         for value in (self.mask, self.padding_mask, self.document_ids, self.query_mask):
             if value is not None:
@@ -344,3 +375,29 @@ def _run_bounds(document_ids: Tensor) -> tuple[Tensor, Tensor]:
     stop_at = torch.where(ends, positions + 1, torch.full_like(positions, length))
     stop = stop_at.flip(-1).cummin(-1).values.flip(-1)
     return start, stop
+
+
+def leading_keys(count: int, padding_mask: Tensor | None, document_ids: Tensor | None, length: int) -> Tensor:
+    """(B, length) bool: the first ``count`` real tokens of each sequence, or of each document.
+
+    These are the attention-sink positions a streaming KV cache keeps: with
+    left padding the sequence starts at its first real token; in packed
+    batches every document has its own.
+
+    Example:
+        >>> leading_keys(1, torch.tensor([[0, 1, 1, 1]]), torch.tensor([[0, 0, 1, 1]]), 4)
+        tensor([[False,  True,  True, False]])
+    """
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ValueError(f"Expected the number of sink positions to be a positive int, got {count!r}.")
+    real = _check_padding("padding_mask", padding_mask, length)
+    if real is None:
+        batch = 1 if document_ids is None else document_ids.shape[0]
+        device = None if document_ids is None else document_ids.device
+        real = torch.ones(batch, length, dtype=torch.bool, device=device)
+    rank = real.long().cumsum(-1)  # 1-based rank of each real token in its row
+    if document_ids is not None:
+        start, _ = _run_bounds(document_ids)
+        before = torch.nn.functional.pad(rank, (1, 0)).gather(1, start)  # real tokens before the document
+        rank = rank - before
+    return real & (rank <= count)

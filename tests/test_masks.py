@@ -135,8 +135,15 @@ def test_key_range_never_cuts_visible_keys(family: str, shape: str) -> None:
             assert not rows[..., k_stop:].any()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(("family", "shape"), CASES)
+ROUND_TRIP_CASES = [
+    pytest.param(family, shape, dtype, id=f"{family}-{shape}-{str(dtype)[6:]}")
+    for family, shape in (case.values for case in CASES)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if dtype == torch.float32 or shape == "b2h3n7"
+]
+
+
+@pytest.mark.parametrize(("family", "shape", "dtype"), ROUND_TRIP_CASES)
 def test_additive_mask_round_trip(family: str, shape: str, dtype: torch.dtype) -> None:
     spec = make(family, shape)
     dense = ref.dense_support(spec)
@@ -187,7 +194,7 @@ def mask_specs(draw: st.DrawFn) -> ref.MaskSpec:
     return spec
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(spec=mask_specs())
 def test_random_combinations_match_reference(spec: ref.MaskSpec) -> None:
     check_against_reference(spec, to_support(spec))
