@@ -1,0 +1,657 @@
+"""Capture: per-query attention entropy out of real models, on demand.
+
+An :class:`AttentionCapture` finds the attention of a model and, while it is
+recording, turns every attention call into an :class:`AttentionCall` (queries
+and keys, or probabilities, plus the support the model's own mask implies)
+and feeds it to its consumers: by default an
+:class:`~attn_monitor.metric.AttentionEntropy`. Paths, chosen per call:
+
+1. **SDPA**: a ``TorchFunctionMode`` sees every
+   ``F.scaled_dot_product_attention`` call (Hugging Face ``sdpa`` models,
+   nanoGPT-style models) and reads q, k, ``attn_mask``, ``is_causal``,
+   ``scale`` and grouped-query keys. Each call belongs to the innermost
+   attention module running at the time (forward pre/post hooks keep a
+   stack).
+2. **nn.MultiheadAttention** (alone or in ``nn.Transformer*`` layers): the
+   same mode sees ``F.multi_head_attention_forward`` and recomputes q and k
+   from its input projection. The module's own call is not changed.
+3. **Probability outputs**: modules whose output holds the attention
+   probabilities (Hugging Face ``eager`` attention returns them at
+   ``output[1]``) are read by a forward hook through an adapter;
+   :func:`probabilities_at` builds one, and any callable with the
+   :data:`Adapter` signature is accepted for other modules.
+
+Entropy of q/k calls is computed with the fused logsumexp identity
+(:func:`~attn_monitor.functional.entropy_from_qk`), in float32, right after
+each call; nothing is kept past the update. Under ``torch.compile`` the
+mode is traced and calls are processed when recording stops.
+
+Which queries are samples comes from the batch's padding mask
+(``recording(padding_mask=...)``); which keys are visible comes from the mask
+the model actually used.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import math
+import re
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from attn_monitor.functional import attention_entropy, entropy_from_qk
+from attn_monitor.masks import Support
+from attn_monitor.metric import AttentionEntropy, EntropySummary
+
+__all__ = [
+    "Adapter",
+    "AttentionCall",
+    "AttentionCapture",
+    "evaluate_attention",
+    "probabilities_at",
+]
+
+_SDPA = F.scaled_dot_product_attention
+_MHA_FORWARD = F.multi_head_attention_forward
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_MHA_ARGS = tuple(inspect.signature(_MHA_FORWARD).parameters)
+#: Placeholder layers of calls made outside any known attention module.
+_UNOWNED_SDPA, _UNOWNED_MHA = "\0sdpa", "\0mha"
+#: Class names that mark a module as attention for the SDPA path's attribution.
+_ATTENTION_CLASS = re.compile(r"attention|attn", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention call, as much of it as entropy needs.
+
+    Either ``q`` and ``k`` (logits ``scale * q k^T`` over the support) or
+    ``probs`` is set.
+
+    Attributes:
+        layer: the owning module's qualified name in the model.
+        support: the keys each query may see, from the model's mask.
+        q: (batch, heads, seq_q, head_dim) queries, detached.
+        k: (batch, kv_heads, seq_k, head_dim) keys, detached.
+        scale: logit scale for ``q`` and ``k``.
+        probs: (batch, heads, seq_q, seq_k) attention probabilities, detached.
+        padding_mask: (batch, seq) real tokens of the recorded batch, if given.
+        document_ids: (batch, seq) document of each token of the recorded
+            batch (packed sequences), if given.
+    """
+
+    layer: str
+    support: Support
+    q: Tensor | None = None
+    k: Tensor | None = None
+    scale: float | None = None
+    probs: Tensor | None = None
+    padding_mask: Tensor | None = None
+    document_ids: Tensor | None = None
+
+
+#: ``adapter(module, args, kwargs, output) -> AttentionCall | None``, called by a
+#: forward hook on the module while recording. ``layer`` may be left empty: the
+#: capture fills in the module's name.
+Adapter = Callable[[nn.Module, tuple, dict, Any], "AttentionCall | None"]
+
+
+def probabilities_at(index: int = 1, *, mask_arg: str | None = "attention_mask") -> Adapter:
+    """Adapter for modules that return attention probabilities.
+
+    Args:
+        index: position of the (batch, heads, query, key) probabilities in the
+            module's output tuple (Hugging Face ``eager`` attention: 1).
+        mask_arg: keyword argument holding the mask the module applied:
+            bool (True = visible) or additive float (``-inf`` or the dtype's
+            minimum hides a key), broadcastable to the probabilities. None, or
+            an absent or None argument: every key is visible, or causal order
+            if the module has ``is_causal = True``.
+
+    Example:
+        >>> adapter = probabilities_at(1)
+        >>> class Eager(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x, torch.full((1, 1, 2, 4), 0.25)
+        >>> call = adapter(Eager(), (None,), {}, Eager()(None))
+        >>> call.probs.shape, call.support.num_valid().tolist()
+        (torch.Size([1, 1, 2, 4]), [[[4, 4]]])
+    """
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise TypeError(f"Expected `index` to be an int, got {type(index).__name__}.")
+
+    def adapter(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> AttentionCall | None:
+        if not isinstance(output, (tuple, list)) or len(output) <= index:
+            raise ValueError(
+                f"Expected the output of {type(module).__name__} to be a tuple with probabilities at index {index}, "
+                f"got {type(output).__name__}."
+            )
+        probs = output[index]
+        if probs is None:
+            return None
+        if not isinstance(probs, Tensor) or probs.dim() != 4:
+            raise ValueError(
+                f"Expected output[{index}] of {type(module).__name__} to be (batch, heads, query, key) "
+                f"probabilities, got {_describe(probs)}."
+            )
+        mask = kwargs.get(mask_arg) if mask_arg is not None else None
+        num_q, num_k = probs.shape[-2:]
+        if mask is not None:
+            mask = mask[..., -num_q:, -num_k:]
+            support = Support(num_q, num_k, mask=mask)
+        else:
+            support = Support(num_q, num_k, causal=bool(getattr(module, "is_causal", False)))
+        return AttentionCall(layer="", support=support, probs=probs.detach())
+
+    return adapter
+
+
+def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound = dict(zip(names, args, strict=False))
+    bound.update(kwargs)
+    return bound
+
+
+def _sdpa_call(layer: str, bound: dict[str, Any]) -> AttentionCall:
+    q, k = bound["query"].detach(), bound["key"].detach()
+    mask = bound.get("attn_mask")
+    support = Support(
+        q.shape[-2],
+        k.shape[-2],
+        causal=bool(bound.get("is_causal", False)),
+        mask=None if mask is None else mask.detach(),
+    )
+    if q.dim() != 4:  # SDPA also takes (heads, seq, dim); give it a batch dim.
+        q, k = q.reshape(-1, *q.shape[-3:]), k.reshape(-1, *k.shape[-3:])
+    return AttentionCall(layer=layer, support=support, q=q, k=k, scale=bound.get("scale"))
+
+
+def _mha_call(layer: str, bound: dict[str, Any]) -> AttentionCall | None:
+    """q, k and support of an ``F.multi_head_attention_forward`` call (sequence-first inputs)."""
+    if bound.get("bias_k") is not None or bound.get("add_zero_attn") or bound.get("static_k") is not None:
+        return None  # extra keys the inputs do not show; the caller warns
+    query, key = bound["query"].detach(), bound["key"].detach()
+    if query.dim() == 2:  # unbatched (seq, embed)
+        query, key = query.unsqueeze(1), key.unsqueeze(1)
+    num_heads = int(bound["num_heads"])
+    embed = query.shape[-1]
+    if bound.get("use_separate_proj_weight"):
+        w_q, w_k = bound["q_proj_weight"], bound["k_proj_weight"]
+    else:
+        w_q, w_k, _ = bound["in_proj_weight"].chunk(3)
+    b_q = b_k = None
+    if bound.get("in_proj_bias") is not None:
+        b_q, b_k, _ = bound["in_proj_bias"].chunk(3)
+    with torch.no_grad():
+        q = F.linear(query, w_q.detach(), None if b_q is None else b_q.detach())
+        k = F.linear(key, w_k.detach(), None if b_k is None else b_k.detach())
+    num_q, batch, num_k = q.shape[0], q.shape[1], k.shape[0]
+    head_dim = embed // num_heads
+    q = q.reshape(num_q, batch, num_heads, head_dim).permute(1, 2, 0, 3)
+    k = k.reshape(num_k, batch, num_heads, head_dim).permute(1, 2, 0, 3)
+
+    # MHA masks: bool True = *hidden*, or additive float. Merge into one additive mask.
+    additive = torch.zeros(1, 1, 1, 1, dtype=torch.float32, device=q.device)
+    attn_mask = bound.get("attn_mask")
+    if attn_mask is not None:
+        attn_mask = _mha_additive(attn_mask.detach())
+        attn_mask = attn_mask.reshape(batch, num_heads, num_q, num_k) if attn_mask.dim() == 3 else attn_mask
+        additive = additive + attn_mask
+    padding = bound.get("key_padding_mask")
+    if padding is not None:
+        padding = padding.detach().reshape(batch, num_k)
+        additive = additive + _mha_additive(padding)[:, None, None, :]
+    causal = bool(bound.get("is_causal")) and attn_mask is None
+    mask = None if additive.numel() == 1 and not additive.any() else additive
+    support = Support(num_q, num_k, causal=causal, mask=mask)
+    return AttentionCall(layer=layer, support=support, q=q, k=k, scale=1.0 / math.sqrt(head_dim))
+
+
+def _mha_additive(mask: Tensor) -> Tensor:
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, device=mask.device).masked_fill(mask, -math.inf)
+    return mask.to(torch.float32)
+
+
+class _CaptureMode(TorchFunctionMode):
+    """Sees SDPA and MHA calls; everything else passes straight through."""
+
+    def __init__(self, capture: AttentionCapture) -> None:
+        super().__init__()
+        self._capture = capture
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            self._capture._on_sdpa(_bind(_SDPA_ARGS, args, kwargs))
+        elif func is _MHA_FORWARD:
+            self._capture._on_mha(_bind(_MHA_ARGS, args, kwargs))
+        return func(*args, **kwargs)
+
+
+Consumer = Callable[[AttentionCall, Tensor | None], None]
+
+
+class AttentionCapture:
+    """Record attention calls of ``model`` while recording; feed them to consumers.
+
+    Use it as a context manager (attach on enter, detach on exit) or call
+    :meth:`attach` / :meth:`detach`. While attached, forward hooks sit on the
+    attention modules (pass-through unless recording); nothing else about the
+    model changes. Entropy is recorded only inside :meth:`recording`.
+
+    Args:
+        model: the model (any ``nn.Module``; names are relative to it).
+        metric: the :class:`AttentionEntropy` to update; a new one by default.
+        layers: optional patterns (``fnmatch`` globs or exact qualified names)
+            selecting which layers to record; others are ignored.
+        adapters: module name pattern -> :data:`Adapter` for modules whose
+            output holds probabilities (or anything else an adapter can read).
+            Hugging Face models running ``eager`` attention get
+            ``probabilities_at(1)`` on their attention modules automatically.
+        method: entropy path for q/k calls (see :func:`entropy_from_qk`).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or bad adapters.
+        ValueError: an adapter pattern that matches no module.
+
+    Example:
+        >>> import torch
+        >>> class Tiny(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        ...
+        ...     def forward(self, x):
+        ...         return self.attn(x, x, x, need_weights=False)[0]
+        >>> model = Tiny()
+        >>> with AttentionCapture(model) as capture, capture.recording():
+        ...     _ = model(torch.randn(2, 5, 8))
+        >>> summary = capture.metric.compute()
+        >>> summary.layers, summary.num_heads, int(summary.count.sum())
+        (['attn'], [2], 20)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        metric: AttentionEntropy | None = None,
+        *,
+        layers: Iterable[str] | None = None,
+        adapters: Mapping[str, Adapter] | None = None,
+        method: str = "auto",
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}.")
+        if metric is not None and not isinstance(metric, AttentionEntropy):
+            raise TypeError(f"Expected `metric` to be an AttentionEntropy, got {type(metric).__name__}.")
+        self.model = model
+        self.metric = metric if metric is not None else AttentionEntropy()
+        self.method = method
+        self.layers = None if layers is None else list(layers)
+        if self.layers is not None and not all(isinstance(p, str) for p in self.layers):
+            raise TypeError(f"Expected `layers` to be patterns (str), got {self.layers!r}.")
+        self.consumers: list[Consumer] = [self._update_entropy]
+        self._names = {id(module): name for name, module in model.named_modules()}
+        # The model itself has the empty name; its layer is called by its class.
+        self._param_owner = {
+            id(module.in_proj_weight if module.in_proj_weight is not None else module.q_proj_weight): name
+            or type(module).__name__
+            for name, module in model.named_modules()
+            if isinstance(module, nn.MultiheadAttention)
+        }
+        self._adapters = self._resolve_adapters(adapters or {})
+        self._owners = self._attention_owners()
+        self._handles: list[RemovableHandle] = []
+        self._stack: list[str] = []
+        self._mode = _CaptureMode(self)
+        self._recording = False
+        self._pending: list[AttentionCall] = []
+        self._query_mask: Tensor | None = None
+        self._document_ids: Tensor | None = None
+        self._unowned = 0
+        self._warned: set[str] = set()
+        self.num_calls = 0
+
+    # -- discovery ---------------------------------------------------------
+    def _resolve_adapters(self, adapters: Mapping[str, Adapter]) -> dict[str, Adapter]:
+        resolved: dict[str, Adapter] = {}
+        for pattern, adapter in adapters.items():
+            if not callable(adapter):
+                raise TypeError(f"Expected the adapter for {pattern!r} to be callable, got {type(adapter).__name__}.")
+            matched = [name for name in self._names.values() if name and _matches(name, pattern)]
+            if not matched:
+                raise ValueError(f"Adapter pattern {pattern!r} matches no module of {type(self.model).__name__}.")
+            resolved.update(dict.fromkeys(matched, adapter))
+        config = getattr(self.model, "config", None)
+        if getattr(config, "_attn_implementation", None) == "eager":
+            for name, module in self.model.named_modules():
+                if name not in resolved and _is_hf_attention_leaf(module):
+                    resolved[name] = probabilities_at(1)
+        return resolved
+
+    def _attention_owners(self) -> dict[str, nn.Module]:
+        """Modules that may call SDPA: attention by class name, not MHA (the mode sees MHA)."""
+        return {
+            name or type(module).__name__: module
+            for name, module in self.model.named_modules()
+            if name not in self._adapters
+            and not isinstance(module, nn.MultiheadAttention)
+            and _ATTENTION_CLASS.search(type(module).__name__)
+        }
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    # -- lifecycle ---------------------------------------------------------
+    def attach(self) -> AttentionCapture:
+        """Register the hooks (idempotent). Returns self."""
+        if self._handles:
+            return self
+        try:
+            for name, module in self._owners.items():
+                self._handles.append(module.register_forward_pre_hook(self._push(name)))
+                self._handles.append(module.register_forward_hook(self._pop(name), always_call=True))
+            for name, adapter in self._adapters.items():
+                module = self.model.get_submodule(name)
+                hook = self._adapter_hook(name, adapter)
+                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        except BaseException:
+            self.detach()
+            raise
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook, newest first. Removing twice is harmless."""
+        while self._handles:
+            self._handles.pop().remove()
+        self._stack.clear()
+
+    def __enter__(self) -> AttentionCapture:
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    @property
+    def num_hooks(self) -> int:
+        return len(self._handles)
+
+    # -- recording ---------------------------------------------------------
+    @contextmanager
+    def recording(
+        self, padding_mask: Tensor | None = None, document_ids: Tensor | None = None
+    ) -> Iterator[AttentionCapture]:
+        """Record every attention call made inside the block.
+
+        Args:
+            padding_mask: (batch, seq) bool or 0/1, True for real tokens of the
+                batch. Queries of calls whose length is ``seq`` are samples
+                only where it is True. None: every query with a visible key
+                counts.
+            document_ids: (batch, seq) integer document of each token, for
+                packed batches; passed on to consumers (cross-document
+                leakage, per-document sinks). The support still comes from
+                the model's own mask.
+
+        Raises:
+            RuntimeError: the capture is not attached, or already recording.
+        """
+        if not self._handles and (self._owners or self._adapters):
+            raise RuntimeError("Attach the capture (`with AttentionCapture(model) as capture:`) before recording.")
+        if self._recording:
+            raise RuntimeError("This capture is already recording; recordings do not nest.")
+        if padding_mask is not None:
+            if not isinstance(padding_mask, Tensor) or padding_mask.dim() != 2:
+                raise ValueError(f"Expected `padding_mask` with shape (batch, seq), got {_describe(padding_mask)}.")
+            padding_mask = padding_mask.detach().bool()
+        if document_ids is not None and (not isinstance(document_ids, Tensor) or document_ids.dim() != 2):
+            raise ValueError(f"Expected `document_ids` with shape (batch, seq), got {_describe(document_ids)}.")
+        self._query_mask = padding_mask
+        self._document_ids = None if document_ids is None else document_ids.detach()
+        self._recording = True
+        self._stack.clear()
+        self._unowned = 0
+        try:
+            with self._mode:
+                yield self
+            self._flush()
+        finally:
+            self._recording = False
+            self._pending.clear()
+            self._query_mask = self._document_ids = None
+            self._stack.clear()
+
+    def _push(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self._recording:
+                self._stack.append(name)
+
+        return hook
+
+    def _pop(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self._recording and self._stack and self._stack[-1] == name:
+                self._stack.pop()
+
+        return hook
+
+    def _adapter_hook(self, name: str, adapter: Adapter) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not self._recording or not self._selected(name):
+                return
+            call = adapter(module, args, kwargs, output)
+            if call is not None:
+                self._receive(AttentionCall(name, call.support, call.q, call.k, call.scale, call.probs))
+
+        return hook
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+    def _selected(self, name: str) -> bool:
+        return self.layers is None or any(_matches(name, pattern) for pattern in self.layers)
+
+    # Under torch.compile these run while the graph is traced: they only read
+    # state and append to a list, so switching recording on costs one extra
+    # graph, not a recompile per call. Counting and naming happen in _flush.
+    def _on_sdpa(self, bound: dict[str, Any]) -> None:
+        if not self._recording:
+            return
+        layer = self._stack[-1] if self._stack else _UNOWNED_SDPA
+        if layer == _UNOWNED_SDPA or self._selected(layer):
+            self._receive(_sdpa_call(layer, bound))
+
+    def _on_mha(self, bound: dict[str, Any]) -> None:
+        if not self._recording:
+            return
+        weight = bound["q_proj_weight"] if bound.get("use_separate_proj_weight") else bound["in_proj_weight"]
+        layer = self._param_owner.get(id(weight), _UNOWNED_MHA)
+        if layer == _UNOWNED_MHA or self._selected(layer):
+            call = _mha_call(layer, bound)
+            if call is None:
+                self._warn_once(
+                    f"mha-extra-keys:{layer}",
+                    f"attn_monitor: {layer.strip(chr(0))!r} uses add_bias_kv, add_zero_attn or static_k, which "
+                    "capture does not support; this layer is skipped.",
+                )
+            else:
+                self._receive(call)
+
+    def _receive(self, call: AttentionCall) -> None:
+        self._pending.append(replace(call, padding_mask=self._query_mask, document_ids=self._document_ids))
+        if not torch.compiler.is_compiling():
+            self._flush()
+
+    def _flush(self) -> None:
+        while self._pending:
+            call = self._pending.pop(0)
+            if call.layer in (_UNOWNED_SDPA, _UNOWNED_MHA):
+                # No attention module around it: named by its order in the forward pass.
+                name = f"{call.layer.strip(chr(0))}_call_{self._unowned}"
+                self._unowned += 1
+                if not self._selected(name):
+                    continue
+                call = replace(call, layer=name)
+            self.num_calls += 1
+            with torch.no_grad():
+                sample = self._samples(call)
+                for consumer in self.consumers:
+                    consumer(call, sample)
+
+    def _samples(self, call: AttentionCall) -> Tensor:
+        sample = call.support.is_sample()
+        mask = call.padding_mask
+        if mask is not None and mask.shape[1] == call.support.num_queries:
+            sample = sample & mask.to(sample.device)[:, None, :]
+        return sample
+
+    def _update_entropy(self, call: AttentionCall, sample: Tensor) -> None:
+        if call.probs is not None:
+            visible = call.support.dense()
+            stranded = (torch.where(visible, call.probs, 0).sum(-1) == 0) & visible.any(-1)
+            if stranded.any():
+                # Eager attention in train mode returns weights after dropout: a row can lose
+                # its whole support. Those queries are left out; the rest are renormalised.
+                self._warn_once(
+                    f"dropped-rows:{call.layer}",
+                    f"attn_monitor: {call.layer!r} returned attention weights with no mass on the support of "
+                    "some queries (dropout in train mode?); they are left out. Monitor in eval mode, or use "
+                    "sdpa attention, for the pre-dropout distribution.",
+                )
+                visible = visible | stranded[..., None]
+                sample = sample & ~stranded
+            entropy = attention_entropy(torch.where(stranded[..., None], 1.0, call.probs), visible)
+        else:
+            entropy = entropy_from_qk(call.q, call.k, mask=call.support, scale=call.scale, method=self.method)
+        self.metric.update(call.layer, entropy, call.support.num_valid(), sample)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return name == pattern or fnmatch.fnmatchcase(name, pattern)
+
+
+def _is_hf_attention_leaf(module: nn.Module) -> bool:
+    """A Hugging Face attention module with no attention module inside it."""
+    if getattr(module, "config", None) is None or not _ATTENTION_CLASS.search(type(module).__name__):
+        return False
+    return not any(_ATTENTION_CLASS.search(type(child).__name__) for child in module.modules() if child is not module)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__
+
+
+#: Batch keys that describe the batch for attn_monitor, not arguments of the model.
+_BATCH_ONLY_KEYS = ("document_ids",)
+
+
+def _default_forward(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**{key: value for key, value in batch.items() if key not in _BATCH_ONLY_KEYS})
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _padding_of(batch: Any, key: str) -> Tensor | None:
+    if isinstance(batch, Mapping):
+        value = batch.get(key)
+        return value if isinstance(value, Tensor) and value.dim() == 2 else None
+    return None
+
+
+def evaluate_attention(
+    model: nn.Module,
+    batches: Iterable[Any],
+    *,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+    padding_mask: Callable[[Any], Tensor | None] | None = None,
+    metric: AttentionEntropy | None = None,
+    layers: Iterable[str] | None = None,
+    adapters: Mapping[str, Adapter] | None = None,
+    document_ids: Callable[[Any], Tensor | None] | None = None,
+    consumers: Iterable[Consumer] = (),
+) -> EntropySummary:
+    """Attention entropy of ``model`` over ``batches``, without Lightning.
+
+    Runs the model in eval mode without gradients, capture on, and returns the
+    summary; the model's train/eval mode is restored afterwards. Compare two
+    checkpoints by calling it on both with the same batches.
+
+    Args:
+        model: the model.
+        batches: an iterable of batches: dicts of keyword arguments by default
+            (their ``attention_mask`` decides which queries are samples).
+        forward: ``forward(model, batch)`` for anything else; the default calls
+            ``model(**batch)`` for dicts, ``model(*batch)`` for tuples.
+        padding_mask: ``padding_mask(batch) -> (batch, seq) mask`` of real
+            tokens; defaults to ``batch["attention_mask"]`` when present.
+        metric: metric to fill (a fresh :class:`AttentionEntropy` by default).
+        layers: layer patterns to record (all attention by default).
+        adapters: see :class:`AttentionCapture`.
+        document_ids: ``document_ids(batch) -> (batch, seq)`` for packed
+            batches; defaults to ``batch["document_ids"]`` when present.
+        consumers: further consumers of every call, e.g. a
+            :class:`~attn_monitor.diagnostics.MassDiagnostics` whose metric
+            then holds sink mass, eviction coverage and leakage.
+
+    Returns:
+        The :class:`EntropySummary` of every batch.
+
+    Raises:
+        RuntimeError: no attention call was captured (the error says what was
+            searched and what to do).
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+        >>> summary = evaluate_attention(layer, [torch.randn(2, 6, 8)])
+        >>> summary.layers
+        ['self_attn']
+    """
+    forward = forward or _default_forward
+    padding_mask = padding_mask or (lambda batch: _padding_of(batch, "attention_mask"))
+    document_ids = document_ids or (lambda batch: _padding_of(batch, "document_ids"))
+    capture = AttentionCapture(model, metric, layers=layers, adapters=adapters)
+    capture.consumers.extend(consumers)
+    was_training = model.training
+    model.eval()
+    try:
+        with capture, torch.no_grad():
+            for batch in batches:
+                with capture.recording(padding_mask(batch), document_ids(batch)):
+                    forward(model, batch)
+    finally:
+        model.train(was_training)
+    if capture.num_calls == 0:
+        raise RuntimeError(nothing_captured_message(model))
+    return capture.metric.compute()
+
+
+def nothing_captured_message(model: nn.Module) -> str:
+    """Why a capture saw no attention, and what to do about it."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    hint = f" The model uses attn_implementation={implementation!r};" if implementation else ""
+    return (
+        f"attn_monitor captured no attention call in {type(model).__name__}. It looks for calls of "
+        "torch.nn.functional.scaled_dot_product_attention, nn.MultiheadAttention, and modules given "
+        f"`adapters` (Hugging Face eager attention is found automatically).{hint} Fused kernels that bypass "
+        "these (flash_attention_2, flex_attention, custom CUDA kernels) cannot be seen: run the monitored "
+        "model with attn_implementation='sdpa' or 'eager', or pass an adapter for your attention module."
+    )
