@@ -1,0 +1,164 @@
+"""Mass diagnostics beyond entropy: attention sinks, KV-eviction coverage, cross-document leakage.
+
+Each is the attention mass a query puts on a subset X of its support,
+``exp(lse_X - lse_all)`` (DESIGN.md §2), computed from the captured q and k
+with the same fused logsumexp kernels as entropy (never an N x N matrix), or
+summed from the probabilities of modules that return them:
+
+* **sink mass**: mass on the first ``s`` real tokens of the query's sequence
+  (of its document, in packed batches), the positions a StreamingLLM-style
+  cache keeps as attention sinks.
+* **eviction coverage** for a policy "keep ``s`` sink positions and the ``w``
+  most recent positions": the mass such a cache would keep (1 = nothing
+  lost), ``m(window) + m(sinks) - m(window and sinks)``. A streaming cache
+  only holds past keys, so this is meant for causal models.
+* **cross-document leakage**: mass on keys of other documents,
+  ``1 - m(same document)``. Non-zero means the model's mask does not isolate
+  packed samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from attn_monitor.capture import AttentionCall
+from attn_monitor.functional import attention_lse, mass_fraction
+from attn_monitor.masks import Support, leading_keys
+from attn_monitor.metric import AttentionMass
+
+__all__ = ["MassDiagnostics"]
+
+
+def _check_policies(eviction: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
+    policies = []
+    for policy in eviction:
+        if not isinstance(policy, (tuple, list)):
+            raise ValueError(
+                f"Expected `eviction` as a list of (sink_tokens, window) pairs, e.g. [(4, 64)]; "
+                f"got the eviction policy {policy!r} in {eviction!r}."
+            )
+        if (
+            len(policy) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in policy)
+            or policy[0] < 0
+            or policy[1] < 1
+        ):
+            raise ValueError(
+                f"Expected each eviction policy in `eviction` as (sink_tokens >= 0, window >= 1) ints, "
+                f"got {tuple(policy)!r}."
+            )
+        policies.append((int(policy[0]), int(policy[1])))
+    return policies
+
+
+class MassDiagnostics:
+    """A capture consumer that accumulates sink mass, eviction coverage and leakage.
+
+    Append it to :attr:`AttentionCapture.consumers`; its :attr:`metric` holds
+    one key per diagnostic and layer: ``sink_mass/{layer}``,
+    ``coverage_s{s}_w{w}/{layer}``, ``leakage/{layer}``.
+
+    Args:
+        sink_tokens: number of leading positions counted as sinks (None: off).
+        eviction: (sink_tokens, window) cache policies to evaluate.
+        leakage: measure cross-document leakage (needs the batch's
+            ``document_ids``, given to ``capture.recording``).
+        metric: the :class:`AttentionMass` to update; a new one by default.
+        method: path for the logsumexp (see
+            :func:`~attn_monitor.functional.entropy_from_qk`).
+
+    Example:
+        >>> import torch
+        >>> from attn_monitor.capture import AttentionCapture
+        >>> attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        >>> diagnostics = MassDiagnostics(sink_tokens=1)
+        >>> with AttentionCapture(attn) as capture:
+        ...     capture.consumers.append(diagnostics)
+        ...     with capture.recording():
+        ...         _ = attn(*(3 * [torch.randn(1, 4, 8)]), need_weights=False)
+        >>> diagnostics.metric.compute().layers
+        ['sink_mass/MultiheadAttention']
+    """
+
+    def __init__(
+        self,
+        *,
+        sink_tokens: int | None = None,
+        eviction: Iterable[Sequence[int]] = (),
+        leakage: bool = False,
+        metric: AttentionMass | None = None,
+        method: str = "auto",
+    ) -> None:
+        if sink_tokens is not None and (
+            not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 1
+        ):
+            raise ValueError(f"Expected `sink_tokens` to be a positive int or None, got {sink_tokens!r}.")
+        self.sink_tokens = sink_tokens
+        self.eviction = _check_policies(eviction)
+        self.leakage = bool(leakage)
+        self.metric = metric if metric is not None else AttentionMass()
+        self.method = method
+
+    @property
+    def enabled(self) -> bool:
+        return self.sink_tokens is not None or bool(self.eviction) or self.leakage
+
+    def __call__(self, call: AttentionCall, sample: Tensor) -> None:
+        if not self.enabled:
+            return
+        support = call.support
+        length = support.num_keys
+        padding = call.padding_mask if _fits(call.padding_mask, length) else None
+        documents = call.document_ids if _fits(call.document_ids, length) and support.num_queries == length else None
+        mass = _MassOf(call, self.method)
+
+        def sinks(count: int) -> Tensor:
+            return leading_keys(count, padding, documents, length).to(support._device())
+
+        if self.sink_tokens is not None:
+            value = mass(support.restrict_keys(sinks(self.sink_tokens)))
+            self.metric.update(f"sink_mass/{call.layer}", value, sample)
+        for count, window in self.eviction:
+            recent = support.with_window(window)
+            if count == 0:
+                kept = mass(recent)
+            else:
+                keys = sinks(count)
+                kept = mass(recent) + mass(support.restrict_keys(keys)) - mass(recent.restrict_keys(keys))
+            self.metric.update(f"coverage_s{count}_w{window}/{call.layer}", kept.clamp(0.0, 1.0), sample)
+        if self.leakage and documents is not None:
+            own = mass(support.with_documents(documents))
+            self.metric.update(f"leakage/{call.layer}", (1.0 - own).clamp(0.0, 1.0), sample)
+
+
+class _MassOf:
+    """``mass(subset)``: each query's attention mass on a subset of its support."""
+
+    def __init__(self, call: AttentionCall, method: str) -> None:
+        self.call = call
+        self.method = method
+        if call.probs is not None:
+            visible = call.support.dense()
+            probs = torch.where(visible, call.probs.to(torch.float32), torch.zeros((), device=visible.device))
+            total = probs.sum(-1, keepdim=True)
+            self.probs = probs / torch.where(total > 0, total, torch.ones_like(total))
+            self.empty = (total.squeeze(-1) == 0) | (visible.sum(-1) == 0)
+        else:
+            self.lse_all = self._lse(call.support)
+
+    def _lse(self, support: Support) -> Tensor:
+        call = self.call
+        return attention_lse(call.q, call.k, mask=support, scale=call.scale, method=self.method)  # type: ignore[arg-type]
+
+    def __call__(self, subset: Support) -> Tensor:
+        if self.call.probs is None:
+            return mass_fraction(self._lse(subset), self.lse_all)
+        value = (self.probs * subset.dense()).sum(-1)
+        return value.masked_fill(self.empty, float("nan"))
+
+
+def _fits(value: Tensor | None, length: int) -> bool:
+    return value is not None and value.dim() == 2 and value.shape[1] == length
