@@ -1,0 +1,920 @@
+"""AttentionEntropyMonitor in real ``Trainer.fit`` runs, checked on what real loggers wrote.
+
+Every run is a real ``lightning.Trainer(...).fit`` on CPU with tiny models
+(tests/lightning_models.py): a nanoGPT-style module whose attention calls SDPA
+with a bool mask (causal AND key padding), and a tiny random Hugging Face GPT-2
+(``attn_implementation="sdpa"``) inside a LightningModule; dict batches with
+right padding.
+
+The independent reference (tests/reference.py, float64, dense, nothing from
+attn_monitor): a :class:`~tests.lightning_models.BatchRecorder` keeps the
+weights and batches of every validation run; after ``fit`` a fresh model gets
+those weights and the entropy of every counted query (a real query with at
+least two visible keys) is recomputed: for the nanoGPT module from q and k of
+its own projections with a float64 softmax over the true support, for the HF
+model from an eager twin run with ``output_attentions=True``. Token-weighted
+means must agree to 1e-4; histogram quantiles must lie within one bin (0.001)
+of the exact order statistic.
+
+What the loggers wrote is read back after ``fit``: TensorBoard event files with
+tensorboard's ``EventAccumulator``; the CSV file; and the W&B offline run's
+``.wandb`` transaction log, decoded with a small reader of its documented
+leveldb-log framing (7-byte file header ``:W&B`` 0xBEE1 v0, 32 KiB blocks,
+7-byte chunk headers with a CRC-32 that is checked) into
+``wandb.proto.wandb_internal_pb2.Record`` messages (see :func:`read_wandb_history`).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import glob
+import math
+import os
+import random
+import socket
+import struct
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch import Tensor, nn
+
+from attn_monitor.callback import AttentionEntropyMonitor
+from tests import lightning_models as lm
+from tests import models, reference
+
+MEAN_TOL = 1e-4
+BIN = 0.001  # width of the metric's bins (quantile error bound)
+QUANTILE_TOL = BIN + 1e-5
+QUANTILES = {"q05": 0.05, "q25": 0.25, "q50": 0.5, "q75": 0.75, "q95": 0.95}
+PREFIX = "attn_entropy"
+TRAIN_PREFIX = "attn_entropy_train"
+TRAIN_BATCHES = 4  # per epoch: validation runs at global steps 4 and 8
+TRAIN_EVERY = 3  # training-time recording at global steps 0, 3, 6
+
+
+# --------------------------------------------------------------------------- reference
+
+
+@dataclass
+class Samples:
+    """The counted queries of one layer: one entry per (sequence, head, query)."""
+
+    normalized: Tensor  # float64, H / ln(n)
+    nats: Tensor  # float64, H
+    head: Tensor  # long
+    sequence: Tensor  # long, unique across batches
+
+    @staticmethod
+    def concat(parts: list[Samples]) -> Samples:
+        return Samples(*(torch.cat([getattr(p, f) for p in parts]) for f in ("normalized", "nats", "head", "sequence")))
+
+
+def _layer_samples(entropy: Tensor, support: Tensor, real: Tensor, first_sequence: int) -> Samples:
+    """Counted queries of one attention call; ``entropy`` (B, H, Nq) in nats from the reference."""
+    batch, heads, num_q = entropy.shape
+    counts = reference.num_valid(support.expand(batch, heads, num_q, support.shape[-1]))
+    counted = real[:, None, :].expand(batch, heads, num_q) & (counts > 1)
+    normalized = reference.normalize(entropy, counts)
+    head = torch.arange(heads)[None, :, None].expand(batch, heads, num_q)
+    sequence = (first_sequence + torch.arange(batch))[:, None, None].expand(batch, heads, num_q)
+    return Samples(normalized[counted], entropy[counted], head[counted], sequence[counted])
+
+
+def gpt_reference(state: dict[str, Tensor], batches: list[dict[str, Tensor]]) -> dict[str, Samples]:
+    """Per-layer counted queries of :class:`TinyGPT` with ``state``, recomputed in float64.
+
+    q and k come from the module's own projections on the inputs of a float64
+    forward pass (attention written out with an explicit softmax, no SDPA);
+    entropy comes from tests/reference.py over the support the batch implies.
+    """
+    model = lm.TinyGPT()
+    model.load_state_dict(state)
+    model = model.double().eval()
+    parts: dict[str, list[Samples]] = {name: [] for name in lm.GPT_LAYERS}
+    with torch.no_grad():
+        for index, batch in enumerate(batches):
+            ids, real = batch["input_ids"], batch["attention_mask"].bool()
+            b, n = ids.shape
+            spec = reference.MaskSpec(b, lm.HEADS, n, n, padding=real.tolist(), causal=True)
+            support = reference.dense_support(spec)
+            x = model.embed(ids)
+            for name, block in zip(lm.GPT_LAYERS, model.blocks, strict=True):
+                q, k, v = block.attn.qkv(block.ln_1(x))
+                entropy = reference.entropy_from_qk(q, k, support)
+                parts[name].append(_layer_samples(entropy, support, real, index * b))
+                scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~support, -math.inf)
+                y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape)
+                x = x + block.attn.c_proj(y)
+                x = x + block.mlp(block.ln_2(x))
+    return {name: Samples.concat(p) for name, p in parts.items()}
+
+
+def hf_reference(state: dict[str, Tensor], batches: list[dict[str, Tensor]]) -> dict[str, Samples]:
+    """Per-layer counted queries of :class:`HFLM` with ``state``: an eager twin with ``output_attentions=True``."""
+    twin = models.hf_model("gpt2", "eager")
+    twin.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    twin.eval()
+    parts: dict[str, list[Samples]] = {name: [] for name in lm.HF_LAYERS}
+    with torch.no_grad():
+        for index, batch in enumerate(batches):
+            ids, real = batch["input_ids"], batch["attention_mask"].bool()
+            b, n = ids.shape
+            support = reference.dense_support(reference.MaskSpec(b, lm.HEADS, n, n, padding=real.tolist(), causal=True))
+            attentions = twin(**batch, output_attentions=True).attentions
+            assert len(attentions) == len(lm.HF_LAYERS)
+            for name, probs in zip(lm.HF_LAYERS, attentions, strict=True):
+                entropy = reference.attention_entropy(probs, support)
+                parts[name].append(_layer_samples(entropy, support, real, index * b))
+    return {name: Samples.concat(p) for name, p in parts.items()}
+
+
+def _order_statistic_bounds(values: Tensor, q: float) -> tuple[float, float]:
+    """The exact ``q`` quantile lies between these two order statistics."""
+    ordered = values.sort().values
+    position = q * (len(ordered) - 1)
+    return float(ordered[math.floor(position)]), float(ordered[math.ceil(position)])
+
+
+def _quantile_close(got: float, values: Tensor, q: float) -> bool:
+    low, high = _order_statistic_bounds(values, q)
+    return low - QUANTILE_TOL <= got <= high + QUANTILE_TOL
+
+
+def expected_names(layers: list[str], heads: int = lm.HEADS, prefix: str = PREFIX) -> set[str]:
+    """The scalar names of the naming contract for ``layers``."""
+    names = {f"{prefix}/mean"}
+    for layer in layers:
+        base = f"{prefix}/{layer}"
+        names |= {f"{base}/mean", f"{base}/mean_seq", f"{base}/nats_mean"}
+        names |= {f"{base}/{q}" for q in QUANTILES}
+        names |= {f"{base}/head_{h}/{s}" for h in range(heads) for s in ("mean", "q50")}
+    return names
+
+
+def check_against_reference(scalars: dict[str, float], samples: dict[str, Samples], prefix: str = PREFIX) -> None:
+    """Every contract scalar of ``scalars`` equals the reference ``samples`` (mean 1e-4, quantiles one bin)."""
+    problems = []
+
+    def close(name: str, want: float) -> None:
+        if not abs(scalars[name] - want) <= MEAN_TOL:
+            problems.append(f"{name}: logged {scalars[name]!r}, reference {want!r}")
+
+    def quantile(name: str, values: Tensor, q: float) -> None:
+        if not _quantile_close(scalars[name], values, q):
+            problems.append(f"{name}: logged {scalars[name]!r}, exact between {_order_statistic_bounds(values, q)}")
+
+    for layer, s in samples.items():
+        base = f"{prefix}/{layer}"
+        close(f"{base}/mean", float(s.normalized.mean()))
+        close(f"{base}/nats_mean", float(s.nats.mean()))
+        pair_means = [
+            float(s.normalized[(s.head == h) & (s.sequence == seq)].mean())
+            for h in range(lm.HEADS)
+            for seq in s.sequence.unique().tolist()
+            if ((s.head == h) & (s.sequence == seq)).any()
+        ]
+        close(f"{base}/mean_seq", sum(pair_means) / len(pair_means))
+        for name, q in QUANTILES.items():
+            quantile(f"{base}/{name}", s.normalized, q)
+        for h in range(lm.HEADS):
+            values = s.normalized[s.head == h]
+            close(f"{base}/head_{h}/mean", float(values.mean()))
+            quantile(f"{base}/head_{h}/q50", values, 0.5)
+    everything = torch.cat([s.normalized for s in samples.values()])
+    close(f"{prefix}/mean", float(everything.mean()))
+    assert not problems, "\n".join(problems)
+
+
+def reference_histogram(values: Tensor, bins: int = 100) -> Tensor:
+    return torch.bincount((values * bins).floor().clamp(0, bins - 1).long(), minlength=bins).double()
+
+
+def check_histogram(counts: list[float], values: Tensor) -> None:
+    """Logged bucket counts equal the reference's, up to queries a float32 rounding moves across an edge."""
+    got, want = torch.tensor(counts, dtype=torch.float64), reference_histogram(values)
+    assert got.shape == want.shape
+    assert got.sum() == want.sum() == len(values)
+    assert (got - want).abs().sum() <= 4, f"logged {got.tolist()}\nreference {want.tolist()}"
+
+
+def count_queries(samples: dict[str, Samples]) -> int:
+    return sum(len(s.normalized) for s in samples.values())
+
+
+# --------------------------------------------------------------------------- running fit
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread() -> Any:
+    """Tiny matmuls: one intra-op thread is ~50x faster than two on a busy 2-core machine. Restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_trainer(root: Path, *, loggers: Any = False, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 2,
+        "num_sanity_val_steps": 0,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "log_every_n_steps": 1,
+        "default_root_dir": str(root),
+    }
+    options.update(kwargs)
+    return pl.Trainer(logger=loggers, callbacks=callbacks, **options)
+
+
+def total_hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def function_modes() -> list[Any]:
+    """Torch function modes active now (no public accessor exists; this one is stable since torch 2.0)."""
+    return list(torch.overrides._get_current_function_mode_stack())
+
+
+def wandb_settings() -> Any:
+    import wandb
+
+    return wandb.Settings(console="off", x_disable_stats=True, disable_git=True, save_code=False, silent=True)
+
+
+@dataclass
+class Run:
+    root: Path
+    trainer: pl.Trainer
+    monitor: AttentionEntropyMonitor
+    recorder: lm.BatchRecorder
+    tensorboard_dir: str
+    csv_path: str
+    wandb_file: str | None
+    references: list[dict[str, Samples]]  # one per validation run: the first `batches` validation batches
+    train_references: list[dict[str, Samples]]  # one per recorded training step
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """nanoGPT module, 2 epochs of 4 training batches, 3 validation batches, TensorBoard + CSV + W&B at once."""
+    root = tmp_path_factory.mktemp("gpt_run")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("WANDB_SILENT", "true")
+        loggers: list[Any] = [TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")]
+        wandb = None
+        try:
+            import wandb
+            from lightning.pytorch.loggers import WandbLogger
+        except ImportError:
+            pass
+        else:
+            loggers.append(
+                WandbLogger(save_dir=str(root), offline=True, project="attn-monitor-tests", settings=wandb_settings())
+            )
+        monitor = AttentionEntropyMonitor(train_every_n_steps=TRAIN_EVERY)  # batches=2 by default
+        recorder = lm.BatchRecorder(train_every=TRAIN_EVERY)
+        trainer = make_trainer(root, loggers=loggers, callbacks=[monitor, recorder])
+        try:
+            trainer.fit(
+                lm.TinyGPT(), lm.loader(lm.make_batches(TRAIN_BATCHES, seed=1)), lm.loader(lm.make_batches(3, seed=2))
+            )
+        finally:
+            if wandb is not None:
+                wandb.finish()
+    wandb_files = glob.glob(str(root / "wandb" / "*run-*" / "run-*.wandb"))
+    return Run(
+        root=root,
+        trainer=trainer,
+        monitor=monitor,
+        recorder=recorder,
+        tensorboard_dir=loggers[0].log_dir,
+        csv_path=os.path.join(loggers[1].log_dir, "metrics.csv"),
+        wandb_file=wandb_files[0] if wandb_files else None,
+        references=[gpt_reference(v["state"], v["batches"][:2]) for v in recorder.validations],
+        train_references=[gpt_reference(t["state"], [t["batch"]]) for t in recorder.train],
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """Tiny GPT-2 (sdpa) in a LightningModule, TensorBoard + CSV, batches=3 of 4 validation batches."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf_run")
+    loggers = [TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")]
+    monitor = AttentionEntropyMonitor(batches=3)
+    recorder = lm.BatchRecorder()
+    trainer = make_trainer(root, loggers=loggers, callbacks=[monitor, recorder], limit_train_batches=2)
+    trainer.fit(lm.HFLM(), lm.loader(lm.make_batches(2, seed=3)), lm.loader(lm.make_batches(4, seed=4)))
+    return Run(
+        root=root,
+        trainer=trainer,
+        monitor=monitor,
+        recorder=recorder,
+        tensorboard_dir=loggers[0].log_dir,
+        csv_path=os.path.join(loggers[1].log_dir, "metrics.csv"),
+        wandb_file=None,
+        references=[hf_reference(v["state"], v["batches"][:3]) for v in recorder.validations],
+        train_references=[],
+    )
+
+
+# --------------------------------------------------------------------------- reading loggers back
+
+
+def read_tensorboard(log_dir: str) -> Any:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
+    assert len(events) == 1, events
+    accumulator = EventAccumulator(
+        events[0], size_guidance={"scalars": 0, "histograms": 0, "images": 0, "tensors": 0, "compressedHistograms": 0}
+    )
+    accumulator.Reload()
+    return accumulator
+
+
+def tb_scalars_at(accumulator: Any, step: int, prefix: str = PREFIX) -> dict[str, float]:
+    out = {}
+    for tag in accumulator.Tags()["scalars"]:
+        if tag.startswith(prefix + "/"):
+            values = [e.value for e in accumulator.Scalars(tag) if e.step == step]
+            if values:
+                assert len(values) == 1, (tag, step, values)
+                out[tag] = values[0]
+    return out
+
+
+def read_csv(path: str) -> tuple[list[str], list[dict[str, str]]]:
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def read_wandb_records(path: str) -> list[Any]:
+    """Decode a W&B transaction log (``run-*.wandb``) into ``wandb_internal_pb2.Record`` messages.
+
+    The file is a leveldb log (github.com/google/leveldb/blob/main/doc/log_format.md)
+    behind a 7-byte header (``:W&B``, magic 0xBEE1 little-endian, version 0):
+    32 KiB blocks of chunks, each with a 7-byte header (CRC-32 of type byte and
+    data, uint16 length, uint8 type FULL=1/FIRST=2/MIDDLE=3/LAST=4); a block
+    tail shorter than a header is zero padding. wandb >= 0.18 has no public
+    Python reader any more (``wandb.sdk.internal.datastore`` went with the Go
+    core), so this decodes the framing and leaves the payload to the public
+    protobuf classes. Every chunk's CRC is checked, so a wrong guess at the
+    framing fails loudly instead of yielding garbage.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    ident, magic, version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), (ident, hex(magic), version)
+    block, pos, chunks, records = 32768, 7, [], []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:  # zero padding / preallocated tail
+            pos += left
+            continue
+        body = data[pos + 7 : pos + 7 + length]
+        assert zlib.crc32(body, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == checksum, f"bad CRC at byte {pos}"
+        pos += 7 + length
+        chunks.append(body)
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(chunks))
+            records.append(record)
+            chunks = []
+    return records
+
+
+def read_wandb_history(path: str) -> list[dict[str, Any]]:
+    """History rows of a W&B run file: name -> JSON-decoded value; nested keys (histograms, images) as dicts."""
+    import json
+
+    rows = []
+    for record in read_wandb_records(path):
+        if record.WhichOneof("record_type") != "history":
+            continue
+        row: dict[str, Any] = {}
+        for item in record.history.item:
+            path_ = list(item.nested_key) or [item.key]
+            value = json.loads(item.value_json)
+            target = row
+            for part in path_[:-1]:
+                target = target.setdefault(part, {})
+            target[path_[-1]] = value
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- TensorBoard
+
+
+def test_validation_steps_are_global_step_at_each_validation_end(gpt_run: Run) -> None:
+    assert [v["step"] for v in gpt_run.recorder.validations] == [TRAIN_BATCHES, 2 * TRAIN_BATCHES]
+    assert gpt_run.trainer.global_step == 2 * TRAIN_BATCHES
+
+
+def test_tensorboard_scalar_names_and_steps(gpt_run: Run) -> None:
+    accumulator = read_tensorboard(gpt_run.tensorboard_dir)
+    tags = {t for t in accumulator.Tags()["scalars"] if t.startswith(PREFIX + "/")}
+    assert tags == expected_names(lm.GPT_LAYERS)
+    steps = [v["step"] for v in gpt_run.recorder.validations]
+    for tag in tags:
+        assert [e.step for e in accumulator.Scalars(tag)] == steps, tag
+
+
+def test_tensorboard_values_match_reference(gpt_run: Run) -> None:
+    accumulator = read_tensorboard(gpt_run.tensorboard_dir)
+    for validation, samples in zip(gpt_run.recorder.validations, gpt_run.references, strict=True):
+        check_against_reference(tb_scalars_at(accumulator, validation["step"]), samples)
+
+
+def test_tensorboard_histograms_one_per_layer(gpt_run: Run) -> None:
+    accumulator = read_tensorboard(gpt_run.tensorboard_dir)
+    tags = {t for t in accumulator.Tags()["histograms"] if t.startswith(PREFIX + "/")}
+    assert tags == {f"{PREFIX}/{layer}/hist" for layer in lm.GPT_LAYERS}
+    for validation, samples in zip(gpt_run.recorder.validations, gpt_run.references, strict=True):
+        for layer in lm.GPT_LAYERS:
+            events = [e for e in accumulator.Histograms(f"{PREFIX}/{layer}/hist") if e.step == validation["step"]]
+            assert len(events) == 1
+            histogram = events[0].histogram_value
+            values = samples[layer].normalized
+            assert histogram.num == len(values)
+            assert histogram.bucket_limit == pytest.approx([(i + 1) / 100 for i in range(100)])
+            check_histogram(list(histogram.bucket), values)
+            assert histogram.sum == pytest.approx(float(values.sum()), abs=1e-3)
+            assert histogram.min <= float(values.min()) + 1e-5 and histogram.max >= float(values.max()) - 1e-5
+
+
+def test_tensorboard_heatmap_image(gpt_run: Run) -> None:
+    accumulator = read_tensorboard(gpt_run.tensorboard_dir)
+    assert f"{PREFIX}/heatmap" in accumulator.Tags()["images"]
+    events = accumulator.Images(f"{PREFIX}/heatmap")
+    assert [e.step for e in events] == [v["step"] for v in gpt_run.recorder.validations]
+    for event in events:
+        assert event.encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n"
+        assert event.width > 50 and event.height > 50
+
+
+def test_only_the_first_batches_are_recorded(gpt_run: Run) -> None:
+    """batches=2 (the default) of 3 validation batches: the summary counts exactly the first two."""
+    summary = gpt_run.monitor.last_summary
+    assert summary is not None
+    assert summary.layers == lm.GPT_LAYERS
+    assert int(summary.count.sum()) == count_queries(gpt_run.references[-1])
+    all_three = gpt_reference(gpt_run.recorder.validations[-1]["state"], gpt_run.recorder.validations[-1]["batches"])
+    assert int(summary.count.sum()) < count_queries(all_three)
+    for index, layer in enumerate(lm.GPT_LAYERS):
+        counts = summary.count[index]
+        want = torch.bincount(gpt_run.references[-1][layer].head, minlength=lm.HEADS).double()
+        assert torch.equal(counts, want), layer
+
+
+# --------------------------------------------------------------------------- training-time recording
+
+
+def test_train_every_n_steps_values_match_reference(gpt_run: Run) -> None:
+    """The k-th logged ``attn_entropy_train`` entry is the batch recorded at the k-th multiple of n."""
+    accumulator = read_tensorboard(gpt_run.tensorboard_dir)
+    tags = {t for t in accumulator.Tags()["scalars"] if t.startswith(TRAIN_PREFIX + "/")}
+    assert tags == expected_names(lm.GPT_LAYERS, prefix=TRAIN_PREFIX)
+    histograms = {t for t in accumulator.Tags()["histograms"] if t.startswith(TRAIN_PREFIX + "/")}
+    assert histograms == {f"{TRAIN_PREFIX}/{layer}/hist" for layer in lm.GPT_LAYERS}
+    assert [t["step"] for t in gpt_run.recorder.train] == [0, 3, 6]
+    steps = [e.step for e in accumulator.Scalars(f"{TRAIN_PREFIX}/mean")]
+    assert len(steps) == len(gpt_run.train_references) == 3
+    for step, samples in zip(steps, gpt_run.train_references, strict=True):
+        check_against_reference(tb_scalars_at(accumulator, step, TRAIN_PREFIX), samples, TRAIN_PREFIX)
+
+
+def test_train_every_n_steps_logging_steps(gpt_run: Run) -> None:
+    """Batches recorded at global steps 0, 3, 6 are logged at ``trainer.global_step`` once their step is done.
+
+    That is the validation convention too (the step count when the value is
+    logged): 1, 4, 7. Lightning itself logs a training batch's ``self.log``
+    values one step earlier (``train_loss`` of the batch at global step s is
+    at step s), so in every logger ``attn_entropy_train`` sits one step after
+    the loss of the same batch; this test pins the current convention.
+    """
+    _, rows = read_csv(gpt_run.csv_path)
+    assert [int(r["step"]) for r in rows if r.get("train_loss")] == list(range(2 * TRAIN_BATCHES))
+    entropy_steps = [int(r["step"]) for r in rows if r.get(f"{TRAIN_PREFIX}/mean")]
+    assert entropy_steps == [t["step"] + 1 for t in gpt_run.recorder.train] == [1, 4, 7]
+    accumulator = read_tensorboard(gpt_run.tensorboard_dir)
+    for tag in expected_names(lm.GPT_LAYERS, prefix=TRAIN_PREFIX):
+        assert [e.step for e in accumulator.Scalars(tag)] == [1, 4, 7], tag
+
+
+# --------------------------------------------------------------------------- CSV and several loggers at once
+
+
+def test_csv_logger_gets_the_scalars(gpt_run: Run) -> None:
+    columns, rows = read_csv(gpt_run.csv_path)
+    assert expected_names(lm.GPT_LAYERS) <= set(columns)
+    assert not any(c.endswith("/hist") or c.endswith("/heatmap") for c in columns)
+    accumulator = read_tensorboard(gpt_run.tensorboard_dir)
+    for validation, samples in zip(gpt_run.recorder.validations, gpt_run.references, strict=True):
+        matching = [r for r in rows if r.get(f"{PREFIX}/mean") and int(r["step"]) == validation["step"]]
+        assert len(matching) == 1
+        scalars = {name: float(matching[0][name]) for name in expected_names(lm.GPT_LAYERS)}
+        check_against_reference(scalars, samples)
+        tensorboard = tb_scalars_at(accumulator, validation["step"])
+        assert scalars == pytest.approx(tensorboard, rel=1e-6, abs=1e-7)  # TB stores float32
+
+
+# --------------------------------------------------------------------------- W&B offline
+
+
+def test_wandb_offline_run_history(gpt_run: Run) -> None:
+    pytest.importorskip("wandb")
+    assert gpt_run.wandb_file is not None, f"no .wandb file under {gpt_run.root}"
+    rows = read_wandb_history(gpt_run.wandb_file)
+    steps = [v["step"] for v in gpt_run.recorder.validations]
+    scalar_names = expected_names(lm.GPT_LAYERS)
+    hist_names = {f"{PREFIX}/{layer}/hist" for layer in lm.GPT_LAYERS}
+
+    # Every entropy row carries Lightning's step axis, and it is the global step of a validation run.
+    entropy_rows = [r for r in rows if any(k.startswith(PREFIX + "/") for k in r)]
+    assert entropy_rows
+    assert {r["trainer/global_step"] for r in entropy_rows} == set(steps)
+
+    run_dir = Path(gpt_run.wandb_file).parent
+    for validation, samples in zip(gpt_run.recorder.validations, gpt_run.references, strict=True):
+        at_step = [r for r in entropy_rows if r["trainer/global_step"] == validation["step"]]
+        merged: dict[str, Any] = {}
+        for row in at_step:
+            assert not (set(row) & set(merged)) - {"trainer/global_step", "_step", "_runtime", "_timestamp"}
+            merged.update(row)
+        names = {k for k in merged if k.startswith(PREFIX + "/")}
+        assert names == scalar_names | hist_names | {f"{PREFIX}/heatmap"}
+        check_against_reference({k: merged[k] for k in scalar_names}, samples)
+        for layer in lm.GPT_LAYERS:
+            histogram = merged[f"{PREFIX}/{layer}/hist"]
+            assert histogram["_type"] == "histogram"
+            assert histogram["bins"] == pytest.approx([i / 100 for i in range(101)])
+            check_histogram(histogram["values"], samples[layer].normalized)
+        image = merged[f"{PREFIX}/heatmap"]
+        assert image["_type"] == "image-file"
+        assert (run_dir / "files" / image["path"]).is_file()
+    # The training-time entries share the axis too.
+    train_steps = sorted({r["trainer/global_step"] for r in rows if f"{TRAIN_PREFIX}/mean" in r})
+    assert len(train_steps) == len(gpt_run.recorder.train)
+
+
+def test_wandb_too_many_bins_raises_at_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    model = lm.TinyGPT()
+    hooks = total_hooks(model)
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="attn-monitor-tests", settings=wandb_settings())
+    trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[AttentionEntropyMonitor(histogram_bins=1000)])
+    try:
+        with pytest.raises(ValueError, match="histogram_bins"):
+            trainer.fit(model, lm.loader(lm.make_batches(1, seed=0)), lm.loader(lm.make_batches(1, seed=1)))
+    finally:
+        wandb.finish()
+    assert total_hooks(model) == hooks
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+
+def test_hf_model_logged_values_match_eager_reference(hf_run: Run) -> None:
+    accumulator = read_tensorboard(hf_run.tensorboard_dir)
+    tags = {t for t in accumulator.Tags()["scalars"] if t.startswith(PREFIX + "/")}
+    assert tags == expected_names(lm.HF_LAYERS)
+    assert {t for t in accumulator.Tags()["histograms"] if t.startswith(PREFIX)} == {
+        f"{PREFIX}/{layer}/hist" for layer in lm.HF_LAYERS
+    }
+    steps = [v["step"] for v in hf_run.recorder.validations]
+    assert steps == [2, 4]
+    assert [e.step for e in accumulator.Images(f"{PREFIX}/heatmap")] == steps
+    for validation, samples in zip(hf_run.recorder.validations, hf_run.references, strict=True):
+        check_against_reference(tb_scalars_at(accumulator, validation["step"]), samples)
+    summary = hf_run.monitor.last_summary
+    assert summary is not None and int(summary.count.sum()) == count_queries(hf_run.references[-1])
+
+
+def test_hf_eager_model_inside_lightning_module_is_monitored(tmp_path: Path) -> None:
+    """BUG: an HF model running eager attention, wrapped in a LightningModule, is not monitored by default.
+
+    AttentionCapture gives HF eager attention its ``probabilities_at(1)``
+    adapter only when the *root* module has ``config._attn_implementation ==
+    "eager"``; the monitor watches the LightningModule, which has no config,
+    so nothing is captured and the run only warns "captured no attention call".
+    """
+    pytest.importorskip("transformers")
+    monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None, heatmap=False)
+    model = lm.HFLM(implementation="eager", lr=0.0)
+    val = lm.make_batches(2, seed=4)
+    trainer = make_trainer(tmp_path, callbacks=[monitor], max_epochs=1, limit_train_batches=1)
+    trainer.fit(model, lm.loader(lm.make_batches(1, seed=3)), lm.loader(val))
+    assert monitor.last_summary is not None, "nothing was captured from the eager HF model"
+    assert monitor.last_summary.layers == lm.HF_LAYERS
+    samples = hf_reference(model.state_dict(), val)
+    check_against_reference(monitor.last_summary.to_dict(PREFIX), samples)
+
+
+def test_hf_eager_model_with_module_option(tmp_path: Path) -> None:
+    """``module=`` points the monitor at the HF model itself: eager attention is then found, names relative to it."""
+    pytest.importorskip("transformers")
+    monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None, heatmap=False, module=lambda m: m.model)
+    model = lm.HFLM(implementation="eager", lr=0.0)
+    val = lm.make_batches(2, seed=4)
+    trainer = make_trainer(tmp_path, callbacks=[monitor], max_epochs=1, limit_train_batches=1)
+    trainer.fit(model, lm.loader(lm.make_batches(1, seed=3)), lm.loader(val))
+    summary = monitor.last_summary
+    assert summary is not None
+    names = [name.removeprefix("model.") for name in lm.HF_LAYERS]
+    assert summary.layers == names
+    samples = hf_reference(model.state_dict(), val)
+    check_against_reference(summary.to_dict(PREFIX), {n: samples[f"model.{n}"] for n in names})
+
+
+# --------------------------------------------------------------------------- which batches
+
+
+def _fit_memory(
+    root: Path,
+    monitor: AttentionEntropyMonitor,
+    *,
+    val_batches: int = 6,
+    lr: float = 0.0,
+    extra_callbacks: tuple[pl.Callback, ...] | list[pl.Callback] = (),
+    **kwargs: Any,
+) -> tuple[lm.MemoryLogger, pl.Trainer, lm.TinyGPT, list[dict[str, Tensor]]]:
+    """Fit TinyGPT on 2 training batches per epoch with a MemoryLogger (lr 0 by default: weights stay initial)."""
+    logger = lm.MemoryLogger()
+    model = lm.TinyGPT(lr=lr)
+    val = lm.make_batches(val_batches, seed=11)
+    options = {"limit_train_batches": 2, **kwargs}
+    trainer = make_trainer(root, loggers=[logger], callbacks=[monitor, *extra_callbacks], **options)
+    trainer.fit(model, lm.loader(lm.make_batches(2, seed=10)), lm.loader(val))
+    return logger, trainer, model, val
+
+
+def _layer_means(logger: lm.MemoryLogger) -> list[list[float]]:
+    """Per logged validation run: the per-layer means."""
+    return [
+        [m[f"{PREFIX}/{layer}/mean"] for layer in lm.GPT_LAYERS] for _, m in logger.records if f"{PREFIX}/mean" in m
+    ]
+
+
+def _reference_means(model: lm.TinyGPT, batches: list[dict[str, Tensor]]) -> list[float]:
+    samples = gpt_reference(model.state_dict(), batches)
+    return [float(samples[layer].normalized.mean()) for layer in lm.GPT_LAYERS]
+
+
+def test_explicit_batch_indices(tmp_path: Path) -> None:
+    monitor = AttentionEntropyMonitor(batches=[4, 1], histogram_bins=None, heatmap=False)
+    logger, _, model, val = _fit_memory(tmp_path, monitor, max_epochs=1)
+    assert monitor.sampled_indices(len(val)) == (1, 4)
+    chosen = [val[1], val[4]]
+    means = _layer_means(logger)
+    assert len(means) == 1
+    assert means[0] == pytest.approx(_reference_means(model, chosen), abs=MEAN_TOL)
+    summary = monitor.last_summary
+    assert summary is not None
+    assert int(summary.count.sum()) == count_queries(gpt_reference(model.state_dict(), chosen))
+
+
+def test_random_sample_same_indices_every_epoch_and_after_reload(tmp_path: Path) -> None:
+    seed = next(s for s in range(100) if sorted(random.Random(s).sample(range(6), 2)) != [0, 1])
+    monitor = AttentionEntropyMonitor(batches=2, random_sample=True, seed=seed, histogram_bins=None, heatmap=False)
+    logger, trainer, model, val = _fit_memory(tmp_path, monitor, max_epochs=2, enable_checkpointing=True)
+    indices = monitor.sampled_indices(len(val))
+    assert len(indices) == 2 and len(set(indices)) == 2 and all(0 <= i < len(val) for i in indices)
+    want = _reference_means(model, [val[i] for i in indices])
+    means = _layer_means(logger)
+    assert len(means) == 2
+    for epoch_means in means:  # the same draw in both epochs
+        assert epoch_means == pytest.approx(want, abs=MEAN_TOL)
+
+    # state_dict round trip: a monitor with another seed that loads the state uses the same batches.
+    other = AttentionEntropyMonitor(batches=2, random_sample=True, seed=seed + 1)
+    other.load_state_dict(copy.deepcopy(monitor.state_dict()))
+    assert other.sampled_indices(len(val)) == indices
+
+    # ... and through a Lightning checkpoint: resume for one more epoch with a differently seeded monitor.
+    checkpoint = tmp_path / "resume.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    resumed = AttentionEntropyMonitor(batches=2, random_sample=True, seed=seed + 7, histogram_bins=None, heatmap=False)
+    logger2 = lm.MemoryLogger()
+    trainer2 = make_trainer(tmp_path, loggers=[logger2], callbacks=[resumed], max_epochs=3, limit_train_batches=2)
+    trainer2.fit(lm.TinyGPT(lr=0.0), lm.loader(lm.make_batches(2, seed=10)), lm.loader(val), ckpt_path=str(checkpoint))
+    assert resumed.sampled_indices(len(val)) == indices
+    resumed_means = _layer_means(logger2)
+    assert len(resumed_means) == 1
+    assert resumed_means[0] == pytest.approx(want, abs=MEAN_TOL)
+
+
+def test_every_n_epochs_logs_only_even_epochs(tmp_path: Path) -> None:
+    monitor = AttentionEntropyMonitor(every_n_epochs=2, histogram_bins=None, heatmap=False)
+    recorder = lm.BatchRecorder()
+    logger, trainer, _, _ = _fit_memory(tmp_path, monitor, max_epochs=3, val_batches=2, extra_callbacks=[recorder])
+    # 2 training batches per epoch: validation ends at global steps 2 (epoch 0), 4 (epoch 1), 6 (epoch 2).
+    assert [(v["epoch"], v["step"]) for v in recorder.validations] == [(0, 2), (1, 4), (2, 6)]
+    assert logger.steps_of(f"{PREFIX}/mean") == [2, 6]
+    assert trainer.current_epoch == 3
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skip_sanity", "monitor_sanity"])
+def test_sanity_check(tmp_path: Path, skip: bool) -> None:
+    kwargs = {} if skip else {"skip_sanity_check": False}
+    monitor = AttentionEntropyMonitor(histogram_bins=None, heatmap=False, **kwargs)
+    logger, _, model, val = _fit_memory(tmp_path, monitor, max_epochs=1, val_batches=3, num_sanity_val_steps=2)
+    steps = logger.steps_of(f"{PREFIX}/mean")
+    assert steps == ([2] if skip else [0, 2])
+    want = _reference_means(model, val[:2])
+    for means in _layer_means(logger):
+        assert means == pytest.approx(want, abs=MEAN_TOL)
+
+
+def test_train_every_n_steps_with_gradient_accumulation(tmp_path: Path) -> None:
+    """BUG: with accumulate_grad_batches=2, train_every_n_steps=2 logs at every optimizer step.
+
+    8 batches make 4 optimizer steps (global steps 0-3); steps 0 and 2 are
+    recorded, so 2 entries are expected. ``on_train_batch_start`` tests
+    ``global_step % n`` per *batch*, and global_step only moves once per
+    accumulation window, so both micro-batches of steps 0 and 2 are recorded
+    and logged separately: 4 entries, at steps 0, 1, 2, 3.
+    """
+    monitor = AttentionEntropyMonitor(batches=0, train_every_n_steps=2, histogram_bins=None, heatmap=False)
+    logger = lm.MemoryLogger()
+    trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor], max_epochs=1, accumulate_grad_batches=2)
+    trainer.fit(lm.TinyGPT(), lm.loader(lm.make_batches(8, seed=0)), lm.loader(lm.make_batches(1, seed=1)))
+    assert trainer.global_step == 4
+    steps = logger.steps_of(f"{TRAIN_PREFIX}/mean")
+    assert len(steps) == 2, f"expected one entry per recorded optimizer step (global steps 0 and 2), got steps {steps}"
+
+
+def test_no_sampled_batch_reached_does_not_claim_attention_is_invisible(tmp_path: Path) -> None:
+    """BUG: sampled indices past the end of the validation data give a misleading warning.
+
+    With ``batches=[10]`` and 3 validation batches nothing is monitored (right),
+    but ``_collect`` warns "captured no attention call ... Fused kernels ...
+    cannot be seen", because it tests ``capture.num_calls == 0``, which is
+    also 0 when no batch was recorded at all. The model's SDPA attention is
+    perfectly visible.
+    """
+    monitor = AttentionEntropyMonitor(batches=[10], histogram_bins=None, heatmap=False)
+    logger = lm.MemoryLogger()
+    trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor], max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(lm.TinyGPT(), lm.loader(lm.make_batches(1, seed=0)), lm.loader(lm.make_batches(3, seed=1)))
+    assert logger.steps_of(f"{PREFIX}/mean") == []
+    messages = [str(w.message) for w in caught if "captured no attention call" in str(w.message)]
+    assert messages == [], messages[0][:200]
+
+
+# --------------------------------------------------------------------------- configuration errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"batches": -1}, ValueError, "batches"),
+        ({"batches": [0, -2]}, ValueError, "batches"),
+        ({"every_n_epochs": 0}, ValueError, "every_n_epochs"),
+        ({"quantiles": (0.5, 1.5)}, ValueError, "quantile"),
+        ({"quantiles": (-0.1,)}, ValueError, "quantile"),
+        ({"padding_mask": "attention_mask"}, TypeError, "padding_mask"),
+        ({"train_every_n_steps": 0}, ValueError, "train_every_n_steps"),
+        ({"histogram_bins": 0}, ValueError, "histogram_bins"),
+        ({"batches": [1, 2], "random_sample": True}, ValueError, "random_sample"),
+        ({"layers": "blocks.*"}, TypeError, "layers"),
+        ({"prefix": "attn/"}, ValueError, "prefix"),
+    ],
+    ids=lambda v: repr(v) if isinstance(v, dict) else None,
+)
+def test_bad_configuration_raises_at_construction(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        AttentionEntropyMonitor(**kwargs)
+
+
+def test_layer_pattern_matching_nothing_raises_during_fit(tmp_path: Path) -> None:
+    monitor = AttentionEntropyMonitor(layers=["blocks.*.attn", "decoder.*"])  # fine until setup
+    model = lm.TinyGPT()
+    hooks = total_hooks(model)
+    trainer = make_trainer(tmp_path, callbacks=[monitor])
+    with pytest.raises(ValueError, match=r"decoder\.\*"):
+        trainer.fit(model, lm.loader(lm.make_batches(1, seed=0)), lm.loader(lm.make_batches(1, seed=1)))
+    assert total_hooks(model) == hooks
+    assert function_modes() == []
+
+
+# --------------------------------------------------------------------------- clean-up after exceptions
+
+
+@pytest.mark.parametrize("where", ["validation", "training"])
+def test_exception_in_monitored_batch_leaves_nothing_behind(tmp_path: Path, where: str) -> None:
+    model = lm.TinyGPT()
+    if where == "validation":
+        model.fail_on_val_batch = 0
+        monitor = AttentionEntropyMonitor()
+    else:
+        model.fail_on_train_batch = 1
+        monitor = AttentionEntropyMonitor(train_every_n_steps=1)
+    hooks, modes = total_hooks(model), function_modes()
+    assert modes == []
+    inside: dict[str, int] = {}
+
+    class Spy(pl.Callback):  # sees the state while the monitor is attached (and recording)
+        def on_validation_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            inside["hooks"], inside["modes"] = total_hooks(pl_module), len(function_modes())
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            inside["hooks"], inside["modes"] = total_hooks(pl_module), len(function_modes())
+
+    trainer = make_trainer(tmp_path, callbacks=[monitor, Spy()])
+    with pytest.raises(RuntimeError, match="failed on purpose"):
+        trainer.fit(model, lm.loader(lm.make_batches(2, seed=0)), lm.loader(lm.make_batches(2, seed=1)))
+    assert inside["hooks"] > hooks and inside["modes"] == 1  # the test saw the capture at work
+    assert total_hooks(model) == hooks
+    assert function_modes() == []
+    assert monitor.capture is None
+    # The model runs normally afterwards and nothing records.
+    with torch.no_grad():
+        model(**lm.make_batches(1, seed=2)[0])
+    assert function_modes() == []
+
+
+# --------------------------------------------------------------------------- DDP
+
+
+def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 CPU processes (gloo, ``ddp_fork``), batches=2 per rank; rank 0 logs the union of what both ranks saw.
+
+    Lightning gives each rank a DistributedSampler over the validation
+    "batches" (dataset items, ``batch_size=None``): without shuffling rank r
+    gets items r, r + 2, ..., so with ``batches=2`` rank 0 monitors items 0 and
+    2 and rank 1 items 1 and 3: the union is items 0-3, i.e. what one process
+    with ``batches=4`` monitors. lr is 0, so the weights are the initial ones
+    in every run.
+    """
+    if not torch.distributed.is_available() or "fork" not in torch.multiprocessing.get_all_start_methods():
+        pytest.skip("needs torch.distributed and the fork start method")
+    # Lightning's launcher writes MASTER_PORT into this process's environment: set it here so it is restored.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    val = lm.make_batches(8, seed=21)
+    train = lm.make_batches(4, seed=20)
+    model = lm.TinyGPT(lr=0.0, seed=5)
+    state = copy.deepcopy(model.state_dict())
+
+    monitor = AttentionEntropyMonitor(batches=2, heatmap=False)
+    logger = CSVLogger(tmp_path, name="ddp")
+    trainer = make_trainer(
+        tmp_path, loggers=[logger], callbacks=[monitor], devices=2, strategy="ddp_fork", max_epochs=1
+    )
+    trainer.fit(model, lm.loader(train), lm.loader(val))
+    # The parent's logger object never wrote (rank 0 in the child did), so find the file rather than ask it.
+    (path,) = glob.glob(str(tmp_path / "ddp" / "version_*" / "metrics.csv"))
+    _, rows = read_csv(path)
+    logged = [r for r in rows if r.get(f"{PREFIX}/mean")]
+    assert len(logged) == 1
+    assert int(logged[0]["step"]) == 2  # 4 training items over 2 ranks
+    scalars = {name: float(logged[0][name]) for name in expected_names(lm.GPT_LAYERS)}
+    union = gpt_reference(state, val[:4])
+    check_against_reference(scalars, union)
+    # Not just one rank's share: rank 0's own batches give other means.
+    rank0 = gpt_reference(state, [val[0], val[2]])
+    assert any(
+        abs(scalars[f"{PREFIX}/{layer}/mean"] - float(rank0[layer].normalized.mean())) > 1e-3 for layer in lm.GPT_LAYERS
+    )
+
+    # One process with batches=4 over the same data logs the same numbers (histograms are exact sums).
+    single_logger = lm.MemoryLogger()
+    single = make_trainer(
+        tmp_path,
+        loggers=[single_logger],
+        callbacks=[AttentionEntropyMonitor(batches=4, heatmap=False)],
+        max_epochs=1,
+    )
+    single_model = lm.TinyGPT(lr=0.0, seed=5)
+    single.fit(single_model, lm.loader(train), lm.loader(val))
+    ((_, single_scalars),) = [(s, m) for s, m in single_logger.records if f"{PREFIX}/mean" in m]
+    for name, value in scalars.items():
+        assert value == pytest.approx(single_scalars[name], abs=1e-9), name
