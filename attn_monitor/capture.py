@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from attn_monitor.functional import attention_entropy, entropy_from_qk
+from attn_monitor.functional import Method, attention_entropy, entropy_from_qk
 from attn_monitor.masks import Support
 from attn_monitor.metric import AttentionEntropy, EntropySummary
 
@@ -239,7 +239,8 @@ class _CaptureMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-Consumer = Callable[[AttentionCall, Tensor | None], None]
+#: ``consumer(call, is_sample)`` with the (batch, heads|1, query) bool samples of the call.
+Consumer = Callable[[AttentionCall, Tensor], None]
 
 
 class AttentionCapture:
@@ -289,7 +290,7 @@ class AttentionCapture:
         *,
         layers: Iterable[str] | None = None,
         adapters: Mapping[str, Adapter] | None = None,
-        method: str = "auto",
+        method: Method = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}.")
@@ -322,6 +323,7 @@ class AttentionCapture:
         self._unowned = 0
         self._warned: set[str] = set()
         self.num_calls = 0
+        self.num_recordings = 0
 
     # -- discovery ---------------------------------------------------------
     def _resolve_adapters(self, adapters: Mapping[str, Adapter]) -> dict[str, Adapter]:
@@ -333,11 +335,12 @@ class AttentionCapture:
             if not matched:
                 raise ValueError(f"Adapter pattern {pattern!r} matches no module of {type(self.model).__name__}.")
             resolved.update(dict.fromkeys(matched, adapter))
-        config = getattr(self.model, "config", None)
-        if getattr(config, "_attn_implementation", None) == "eager":
-            for name, module in self.model.named_modules():
-                if name not in resolved and _is_hf_attention_leaf(module):
-                    resolved[name] = probabilities_at(1)
+        # Hugging Face eager attention returns its probabilities at output[1]; the
+        # model may sit anywhere inside ``model`` (a LightningModule, a wrapper).
+        for name, module in self.model.named_modules():
+            implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+            if name not in resolved and implementation == "eager" and _is_hf_attention_leaf(module):
+                resolved[name] = probabilities_at(1)
         return resolved
 
     def _attention_owners(self) -> dict[str, nn.Module]:
@@ -420,6 +423,7 @@ class AttentionCapture:
             raise ValueError(f"Expected `document_ids` with shape (batch, seq), got {_describe(document_ids)}.")
         self._query_mask = padding_mask
         self._document_ids = None if document_ids is None else document_ids.detach()
+        self.num_recordings += 1
         self._recording = True
         self._stack.clear()
         self._unowned = 0
@@ -535,8 +539,10 @@ class AttentionCapture:
                 visible = visible | stranded[..., None]
                 sample = sample & ~stranded
             entropy = attention_entropy(torch.where(stranded[..., None], 1.0, call.probs), visible)
-        else:
+        elif call.q is not None and call.k is not None:
             entropy = entropy_from_qk(call.q, call.k, mask=call.support, scale=call.scale, method=self.method)
+        else:
+            raise ValueError(f"An AttentionCall of {call.layer!r} holds neither q and k nor probabilities.")
         self.metric.update(call.layer, entropy, call.support.num_valid(), sample)
 
 

@@ -165,7 +165,8 @@ def _logits_entropy(scores: Tensor, visible: Tensor | None) -> Tensor:
     """
     if visible is not None:
         scores = scores.masked_fill(~visible, -math.inf)
-    return torch.special.entr(scores.softmax(-1)).sum(-1)
+    entropy: Tensor = torch.special.entr(scores.softmax(-1)).sum(-1)
+    return entropy
 
 
 def entropy_from_logits(scores: Tensor, mask: Tensor | None = None, *, normalize: bool = False) -> Tensor:

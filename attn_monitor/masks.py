@@ -299,6 +299,7 @@ class Support:
         common cases build no N x N tensor. Hidden keys get ``-inf``; any
         additive bias of an explicit mask is kept.
         """
+        visible: Tensor | None
         if self.window is not None or self.document_ids is not None or self.mask is not None:
             visible = self.dense()
             is_causal = False
@@ -318,9 +319,10 @@ class Support:
 
         Which queries are samples does not change.
         """
-        keys = _check_padding("keys", keys, self.num_keys)
+        checked = _check_padding("keys", keys, self.num_keys)
+        assert checked is not None  # only None for None input
         derived = copy.copy(self)
-        derived.padding_mask = keys if self.padding_mask is None else self.padding_mask & keys
+        derived.padding_mask = checked if self.padding_mask is None else self.padding_mask & checked
         derived.batch_size = derived._check_batch_sizes()
         return derived
 

@@ -282,7 +282,8 @@ class _LayerMetric(Metric):
             self.add_state(f"layer{index}_{kind}", default=default, dist_reduce_fx="sum", persistent=True)
 
     def _state(self, index: int, kind: str) -> Tensor:
-        return getattr(self, f"layer{index}_{kind}")
+        state: Tensor = getattr(self, f"layer{index}_{kind}")
+        return state
 
     def forward(self, layer: str, values: Tensor, *args: Any, **kwargs: Any) -> Any:
         """Update with one call and return the summary of that call alone."""
