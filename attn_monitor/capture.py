@@ -165,11 +165,8 @@ def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
 def _sdpa_call(layer: str, bound: dict[str, Any]) -> AttentionCall:
     q, k = bound["query"].detach(), bound["key"].detach()
     mask = bound.get("attn_mask")
-    support = Support(
-        q.shape[-2],
-        k.shape[-2],
-        causal=bool(bound.get("is_causal", False)),
-        mask=None if mask is None else mask.detach(),
+    support = Support.from_sdpa(
+        q.shape[-2], k.shape[-2], None if mask is None else mask.detach(), bool(bound.get("is_causal", False))
     )
     if q.dim() != 4:  # SDPA also takes (heads, seq, dim); give it a batch dim.
         q, k = q.reshape(-1, *q.shape[-3:]), k.reshape(-1, *k.shape[-3:])

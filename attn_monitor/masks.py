@@ -155,6 +155,42 @@ class Support:
             mask = mask.expand(*mask.shape[:2], num_queries, num_keys)
             self.mask, self.bias = _mask_to_bool_and_bias(mask)
         self.batch_size = self._check_batch_sizes()
+        self._num_valid: Tensor | None = None
+
+    @classmethod
+    def from_sdpa(cls, num_queries: int, num_keys: int, attn_mask: Tensor | None, is_causal: bool) -> Support:
+        """The support of an SDPA call, in structured form where the mask allows.
+
+        Models (Hugging Face among them) often pass causal order and key
+        padding as one dense (B, 1, N, N) bool mask. Recognised, it becomes
+        ``causal=True`` plus a key padding mask: closed-form counts, and fused
+        kernels that skip the hidden upper triangle. Any other mask is kept
+        as it is.
+
+        Example:
+            >>> padding = torch.tensor([[True, True, False]])
+            >>> dense = torch.ones(3, 3, dtype=torch.bool).tril() & padding[:, None, None, :]
+            >>> Support.from_sdpa(3, 3, dense, False)
+            Support(num_queries=3, num_keys=3, padding_mask, causal)
+        """
+        if (
+            attn_mask is not None
+            and not is_causal
+            and attn_mask.dtype == torch.bool
+            and attn_mask.dim() == 4
+            and attn_mask.shape[1] == 1
+            and num_queries == num_keys
+            and tuple(attn_mask.shape[-2:]) == (num_queries, num_keys)
+        ):
+            # Under causal order the last query sees every real key.
+            padding = attn_mask[:, 0, -1, :]
+            rows = torch.arange(num_queries, device=attn_mask.device)
+            causal = rows[None, :] <= rows[:, None]
+            if torch.equal(attn_mask, causal & padding[:, None, None, :]):
+                return cls(
+                    num_queries, num_keys, padding_mask=padding, query_mask=torch.ones_like(padding), causal=True
+                )
+        return cls(num_queries, num_keys, causal=is_causal, mask=attn_mask)
 
     def _check_documents(self, document_ids: Tensor | None) -> Tensor | None:
         if document_ids is None:
@@ -254,12 +290,17 @@ class Support:
         return k_start, max(k_start, k_stop)
 
     def num_valid(self) -> Tensor:
-        """Number of visible keys per query.
+        """Number of visible keys per query (computed once, then reused).
 
         Returns:
             Long tensor broadcastable to (B, H, Nq); the head dim is 1 unless an
             explicit per-head mask is involved.
         """
+        if self._num_valid is None:
+            self._num_valid = self._count_valid()
+        return self._num_valid
+
+    def _count_valid(self) -> Tensor:
         if self.mask is not None:
             visible = self.dense()
             return visible.sum(-1, dtype=torch.long)
@@ -322,6 +363,7 @@ class Support:
         checked = _check_padding("keys", keys, self.num_keys)
         assert checked is not None  # only None for None input
         derived = copy.copy(self)
+        derived._num_valid = None
         derived.padding_mask = checked if self.padding_mask is None else self.padding_mask & checked
         derived.batch_size = derived._check_batch_sizes()
         return derived
@@ -331,6 +373,7 @@ class Support:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"Expected `window` to be a positive int, got {window!r}.")
         derived = copy.copy(self)
+        derived._num_valid = None
         derived.causal = True
         derived.window = window if self.window is None else min(window, self.window)
         return derived
@@ -340,6 +383,7 @@ class Support:
         if self.document_ids is not None:
             raise ValueError("This support already has `document_ids`.")
         derived = copy.copy(self)
+        derived._num_valid = None
         derived.document_ids = derived._check_documents(document_ids)
         derived.batch_size = derived._check_batch_sizes()
         return derived

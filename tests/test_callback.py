@@ -212,15 +212,6 @@ def count_queries(samples: dict[str, Samples]) -> int:
 # --------------------------------------------------------------------------- running fit
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread() -> Any:
-    """Tiny matmuls: one intra-op thread is ~50x faster than two on a busy 2-core machine. Restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_trainer(root: Path, *, loggers: Any = False, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
     options: dict[str, Any] = {
         "accelerator": "cpu",

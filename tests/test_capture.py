@@ -49,15 +49,6 @@ HF_LAYER_NAMES = {
 CAUSAL = {"gpt2": True, "llama": True, "bert": False}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tensors here are tiny: intra-op threads only add synchronisation (50x slower on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --------------------------------------------------------------------------- reference
 
 

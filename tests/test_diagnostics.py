@@ -76,15 +76,6 @@ LEFT_PADDED = [(3, [13], 0), (0, [16], 0), (6, [10], 0)]
 SHORT_DOCS = [(1, [2, 1, 5, 4], 3), (0, [1, 1, 1, 13], 0)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors: intra-op threads only add overhead (several-fold on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # =========================================================================== reference (no attn_monitor)
 
 

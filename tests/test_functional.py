@@ -43,15 +43,6 @@ METHODS = ["fused", "chunked", "auto"]
 LOW_PRECISION = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention (tests run in parallel workers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --------------------------------------------------------------------------- helpers
 
 

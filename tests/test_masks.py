@@ -29,15 +29,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention (tests run in parallel workers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def seed_of(*parts: object) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode())
 
