@@ -115,19 +115,21 @@ class MassDiagnostics:
         documents = call.document_ids if _fits(call.document_ids, length) and support.num_queries == length else None
         mass = _MassOf(call, self.method)
 
-        def sinks(count: int) -> Tensor:
-            return leading_keys(count, padding, documents, length).to(support._device())
+        def sinks(base: Support, count: int) -> Support:
+            """``base`` restricted to the first ``count`` real tokens of the query's own sequence or document."""
+            keys = leading_keys(count, padding, documents, length).to(support._device())
+            restricted = base.restrict_keys(keys)
+            # Other documents' leading tokens are not this query's sinks, even where the mask leaks.
+            return restricted if documents is None else restricted.with_documents(documents)
 
         if self.sink_tokens is not None:
-            value = mass(support.restrict_keys(sinks(self.sink_tokens)))
-            self.metric.update(f"sink_mass/{call.layer}", value, sample)
+            self.metric.update(f"sink_mass/{call.layer}", mass(sinks(support, self.sink_tokens)), sample)
         for count, window in self.eviction:
             recent = support.with_window(window)
             if count == 0:
                 kept = mass(recent)
             else:
-                keys = sinks(count)
-                kept = mass(recent) + mass(support.restrict_keys(keys)) - mass(recent.restrict_keys(keys))
+                kept = mass(recent) + mass(sinks(support, count)) - mass(sinks(recent, count))
             self.metric.update(f"coverage_s{count}_w{window}/{call.layer}", kept.clamp(0.0, 1.0), sample)
         if self.leakage and documents is not None:
             own = mass(support.with_documents(documents))

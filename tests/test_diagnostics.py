@@ -8,9 +8,10 @@ test models (or a forward pre-hook recomputing Hugging Face projections and
 rotary embeddings) hand over, and each diagnostic is a plain sum of
 probabilities over an explicit key set:
 
-* sink mass: keys among the first ``s`` *real* tokens of their sequence (with
-  left padding the sequence starts at its first real token), or of their
-  document in packed batches;
+* sink mass: keys among the first ``s`` *real* tokens of the query's own
+  sequence (with left padding the sequence starts at its first real token),
+  or of the query's own document in packed batches (another document's
+  leading tokens are not this query's sinks, even where the mask leaks);
 * coverage of a policy ``(s, w)``: keys that are sinks OR in the causal window
   ``i - w < j <= i``;
 * leakage: keys of another document than the query's.
@@ -189,13 +190,20 @@ def ref_masses(
     documents = batch["document_ids"].tolist() if use_documents else None
     visible = visible.expand(b_size, heads, length, length)
     key_sets: dict[str, list[list[list[bool]]]] = {}  # name -> [b][i][j]
+
+    def own_sink(leading: list[list[bool]], b: int, i: int, j: int) -> bool:
+        return leading[b][j] and (documents is None or documents[b][j] == documents[b][i])
+
     if sink_tokens is not None:
         sinks = ref_leading(sink_tokens, padding, documents, length)
-        key_sets["sink_mass"] = [[sinks[b] for _ in range(length)] for b in range(b_size)]
+        key_sets["sink_mass"] = [
+            [[own_sink(sinks, b, i, j) for j in range(length)] for i in range(length)] for b in range(b_size)
+        ]
     for count, window in policies:
         sinks = ref_leading(count, padding, documents, length) if count else [[False] * length] * b_size
         key_sets[f"coverage_s{count}_w{window}"] = [
-            [[sinks[b][j] or i - window < j <= i for j in range(length)] for i in range(length)] for b in range(b_size)
+            [[own_sink(sinks, b, i, j) or i - window < j <= i for j in range(length)] for i in range(length)]
+            for b in range(b_size)
         ]
     if leakage and documents is not None:
         key_sets["leakage"] = [
