@@ -290,7 +290,7 @@ def main() -> None:
 
     # Per-layer and per-head entropy on the same two validation batches every epoch.
     # The monitor watches the GPT itself, so layers are named "blocks.0.attn", "blocks.1.attn".
-    monitor = AttentionEntropyMonitor(batches=2, per_head=True, module=lambda module: module.gpt)
+    monitor = AttentionEntropyMonitor(batches=2, per_head=True, module=lambda module: module.gpt, save_summaries=True)
     history = History(monitor)
     loggers: list[Logger] = [TensorBoardLogger(args.logdir, name="tiny_gpt")]
     if args.wandb:

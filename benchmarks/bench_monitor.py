@@ -1,0 +1,517 @@
+"""Monitor cost in Lightning: a validation epoch, idle training steps, and the metric's DDP sync.
+
+Three measurements on the demo model of ``examples/train_tiny_gpt.py`` (a
+2-layer, 4-head, d=64 TinyGPT on the copy task, batch 64, sequence 30):
+
+* **(a) validation epoch**: ``Trainer.validate`` over a fixed dataloader of
+  ``--val-batches`` batches, unmonitored vs monitored by an
+  :class:`~attn_monitor.AttentionEntropyMonitor` sampling 2 batches and every
+  batch. Each run is a fresh Trainer with a fresh TensorBoardLogger (in a
+  temporary directory) and a fresh monitor, on the same model and dataloader;
+  the monitor logs scalars, histograms and the heatmap, as in the demo. Only
+  ``validate`` is timed (Trainer construction is not). Peak memory is the
+  resident growth of one ``validate`` in a fresh child process.
+* **(b) training steps**: ``Trainer.fit`` for ``--train-steps`` steps with no
+  validation, without a callback vs with the monitor attached but idle (no
+  ``train_every_n_steps``): the hooks are installed and pass through.
+* **(c) metric sync**: a real 2-process gloo group; each rank updates an
+  ``AttentionEntropy`` (4 layers x 8 heads) with N tokens per layer, then
+  ``compute()`` (a collective: torchmetrics all-gathers every state and sums)
+  is timed against ``compute()`` on an unsynced copy of the same state. The
+  states are fixed-size histograms, so neither should grow with N.
+
+Times are from interleaved repeats (the order changes every repeat); ratios
+and differences are medians of per-repeat pairs measured side by side, so
+slow drifts in the machine's load cancel; absolute milliseconds are for scale
+only (shared, noisy CPUs). Torch runs ``--threads`` threads (default 1: the
+demo's setting; tiny matrices only lose from more).
+
+    python benchmarks/bench_monitor.py [--repeats 11] [--threads 1] [--val-batches 8] [--train-steps 30]
+                                       [--tokens 1e3 1e4 1e5 1e6] [--sync-repeats 7] [--no-memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import multiprocessing
+import os
+import platform
+import queue as queue_module
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader
+from train_tiny_gpt import MAX_LEN, CopyDataset, CopyModel  # type: ignore[import-not-found]
+
+from attn_monitor import AttentionEntropy, AttentionEntropyMonitor
+
+BATCH_SIZE = 64
+NUM_LAYERS = 2  # the demo's TinyGPT
+SYNC_LAYERS, SYNC_HEADS, WORLD_SIZE = 4, 8, 2
+#: Queries per sequence in the sync benchmark's updates (N tokens = N / QUERIES sequences).
+QUERIES = 1000
+#: Sequences per update call in the sync benchmark (bounds the update's temporary memory).
+SEQUENCES_PER_UPDATE = 100
+CHILD_TIMEOUT_S = 600.0
+
+
+def _quiet() -> None:
+    """Silence Lightning's per-Trainer banners and its dataloader-worker advice."""
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*but have no `val_dataloader`.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*is deprecated.*")
+
+
+def _trainer(**kwargs: object) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def _gpt(module: pl.LightningModule) -> torch.nn.Module:
+    """The module the monitor watches, as in the demo: the GPT itself (layers ``blocks.0.attn``, ...)."""
+    gpt = module.gpt
+    assert isinstance(gpt, torch.nn.Module)
+    return gpt
+
+
+def _monitor(batches: int, figures: bool = True) -> AttentionEntropyMonitor:
+    """The demo's monitor; histograms (100 bins) and the heatmap on (``figures``) or off."""
+    if figures:
+        return AttentionEntropyMonitor(batches=batches, module=_gpt)
+    return AttentionEntropyMonitor(batches=batches, module=_gpt, histogram_bins=None, heatmap=False)
+
+
+def _paired(first: list[float], second: list[float], fn: Callable[[float, float], float]) -> list[float]:
+    """``fn`` of the two samples of every repeat (taken side by side, so slow drifts in load cancel)."""
+    return [fn(a, b) for a, b in zip(first, second, strict=True)]
+
+
+def _spread(values: list[float], digits: int = 2) -> str:
+    """Median and inter-quartile range, e.g. ``1.02 [0.97, 1.08]``."""
+    median = statistics.median(values)
+    if len(values) < 2:
+        return f"{median:.{digits}f}"
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return f"{median:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+# ------------------------------------------------------------ (a) validation
+def validation_setup(val_batches: int, seed: int = 0) -> tuple[CopyModel, DataLoader]:
+    pl.seed_everything(seed, verbose=False)
+    model = CopyModel(num_layers=NUM_LAYERS, lr=2e-3, total_steps=1)
+    loader = DataLoader(CopyDataset(val_batches * BATCH_SIZE, seed=seed + 2), batch_size=BATCH_SIZE)
+    return model, loader
+
+
+def run_validation(model: CopyModel, loader: DataLoader, sampled: int, logdir: str, figures: bool = True) -> float:
+    """Seconds of one ``Trainer.validate`` (fresh Trainer, logger and monitor); ``sampled`` 0: no monitor."""
+    callbacks = [_monitor(sampled, figures)] if sampled else []
+    trainer = _trainer(logger=TensorBoardLogger(logdir, name="bench", version=None), callbacks=callbacks)
+    start = time.perf_counter()
+    trainer.validate(model, loader, verbose=False)
+    elapsed = time.perf_counter() - start
+    if sampled and callbacks[0].last_summary is None:
+        raise RuntimeError("The monitor recorded nothing: the benchmark would time an idle callback.")
+    return elapsed
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _validation_peak_child(sampled: int, val_batches: int, threads: int, queue: multiprocessing.Queue) -> None:
+    _quiet()
+    torch.set_num_threads(threads)
+    # What the monitored run imports lazily (figures, the event writer) is loaded first, so the growth is the run's.
+    import matplotlib.backends.backend_agg
+    import matplotlib.figure  # noqa: F401
+    from torch.utils import tensorboard  # noqa: F401
+
+    model, loader = validation_setup(val_batches)
+    with tempfile.TemporaryDirectory() as logdir:
+        start = _rss_bytes()
+        run_validation(model, loader, sampled, logdir)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    queue.put(max(0, peak - start))
+
+
+def _context() -> multiprocessing.context.ForkServerContext:
+    """A fork server that has imported torch but never run an op (plain fork after ops can deadlock).
+
+    The preload only applies if this process has not started its fork server
+    yet (another benchmark in the same process may have).
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "lightning.pytorch", "attn_monitor"])
+    return context
+
+
+def _run_children(target: Callable[..., None], args_per_child: Sequence[tuple], count_results: int) -> list[Any]:
+    """Start one child per args tuple (each gets the queue last); return ``count_results`` queued values."""
+    context = _context()
+    queue = context.Queue()
+    children = [context.Process(target=target, args=(*args, queue)) for args in args_per_child]
+    for child in children:
+        child.start()
+    results: list[Any] = []
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    try:
+        while len(results) < count_results:
+            try:
+                results.append(queue.get(timeout=1.0))
+            except queue_module.Empty:
+                failed = [child.exitcode for child in children if child.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"A benchmark child failed (exit codes {failed}).") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"The benchmark children sent nothing within {CHILD_TIMEOUT_S:.0f} s.") from None
+    finally:
+        for child in children:
+            child.join(timeout=30)
+            if child.is_alive():
+                child.terminate()
+                child.join()
+    return results
+
+
+def validation_peak(sampled: int, val_batches: int, threads: int) -> int:
+    """Resident-set growth (bytes) of one validate in a fresh child process."""
+    (value,) = _run_children(_validation_peak_child, [(sampled, val_batches, threads)], 1)
+    return int(value)
+
+
+def time_forward(model: CopyModel, batch: dict[str, torch.Tensor], calls: int = 10) -> float:
+    """Median seconds of one plain forward of ``batch`` (eval, no_grad): the unit a sampled batch is compared to."""
+    was_training = model.training
+    model.eval()
+    samples = []
+    with torch.no_grad():
+        for _ in range(calls):
+            start = time.perf_counter()
+            model(batch["input_ids"], batch["attention_mask"])
+            samples.append(time.perf_counter() - start)
+    model.train(was_training)
+    return statistics.median(samples)
+
+
+def bench_validation(val_batches: int, repeats: int, threads: int, memory: bool) -> str:
+    model, loader = validation_setup(val_batches)
+    batch = next(iter(loader))
+    # (monitored batches, histograms + heatmap logged)
+    configs = [(0, True), (2, True), (val_batches, True), (2, False)]
+    samples: dict[tuple[int, bool], list[float]] = {config: [] for config in configs}
+    forward: list[float] = []
+    with tempfile.TemporaryDirectory() as logdir:
+        for config in configs:  # warm-up: imports, font cache, first TensorBoard writer
+            run_validation(model, loader, config[0], logdir, config[1])
+        for repeat in range(repeats):
+            shift = repeat % len(configs)
+            for sampled, figures in configs[shift:] + configs[:shift]:
+                samples[sampled, figures].append(run_validation(model, loader, sampled, logdir, figures))
+            forward.append(time_forward(model, batch))
+    times = {config: statistics.median(values) for config, values in samples.items()}
+    one_forward = statistics.median(forward)
+    peaks = {k: validation_peak(k, val_batches, threads) / 2**20 for k in (0, 2, val_batches)} if memory else {}
+    base_samples = samples[0, True]
+    base = times[0, True]
+    lines = [
+        f"### (a) Validation epoch: `Trainer.validate`, {val_batches} batches of {BATCH_SIZE} x {MAX_LEN} tokens",
+        "",
+        f"Demo TinyGPT ({NUM_LAYERS} layers x 4 heads, d=64), {threads} torch thread(s). "
+        f"{repeats} interleaved repeats (order rotated), each a fresh Trainer + TensorBoardLogger (temporary "
+        "directory) + monitor on the same model and dataloader; monitored = `AttentionEntropyMonitor(batches=k)` "
+        "logging scalars, per-head stats, 100-bin histograms and the heatmap figure at the epoch end (last row: "
+        "scalars only, `histogram_bins=None, heatmap=False`). Only `validate` is timed. validate ms: median; "
+        "ratio and extra: median [inter-quartile range] over repeats of the paired (same repeat) ratio to the "
+        "unmonitored run and of (monitored - unmonitored) / k, epoch-end work included.",
+        "",
+        "| monitored batches k | logged | validate ms | x unmonitored | extra ms per sampled batch |"
+        + (" peak MiB |" if memory else ""),
+        "|---|---|---|---|---|" + ("---|" if memory else ""),
+    ]
+    for sampled, figures in configs:
+        label = "0 (no monitor)" if sampled == 0 else f"{sampled}" + (" (all)" if sampled == val_batches else "")
+        logged = "—" if sampled == 0 else ("scalars, histograms, heatmap" if figures else "scalars only")
+        own = samples[sampled, figures]
+        ratio = "1.00" if sampled == 0 else _spread(_paired(own, base_samples, lambda a, b: a / b))
+        extras = [(a - b) / max(sampled, 1) * 1e3 for a, b in zip(own, base_samples, strict=True)]
+        extra = "—" if sampled == 0 else _spread(extras, 1)
+        row = f"| {label} | {logged} | {times[sampled, figures] * 1e3:.0f} | {ratio} | {extra} |"
+        if memory:
+            row += f" {peaks[sampled]:.0f} |" if figures else " — |"
+        lines.append(row)
+    lines += [
+        "",
+        f"For scale: one plain forward of a batch (eval, no_grad, median of 10 per repeat, in the same run) takes "
+        f"{one_forward * 1e3:.2f} ms; the unmonitored validate spends {base / val_batches * 1e3:.1f} ms per batch "
+        "(Lightning's loop, the loss and logging included).",
+    ]
+    if val_batches > 2:
+        two, every, scalars = samples[2, True], samples[val_batches, True], samples[2, False]
+        marginal = statistics.median(_paired(every, two, lambda a, b: (a - b) / (val_batches - 2)))
+        fixed = statistics.median(_paired(two, base_samples, lambda a, b: a - b)) - 2 * marginal
+        figures_cost = statistics.median(_paired(two, scalars, lambda a, b: a - b))
+        lines.append(
+            f"Split by the monitored rows (paired medians): each further sampled batch costs {marginal * 1e3:.1f} ms "
+            f"({marginal / one_forward:.1f} x a plain forward); the fixed part (set-up and hooks, compute, logging) "
+            f"is {fixed * 1e3:.0f} ms ({fixed / base:.2f} x the unmonitored epoch); histograms + heatmap account "
+            f"for {figures_cost * 1e3:.0f} ms of it (k=2 rows, with minus without)."
+        )
+    if memory:
+        lines += ["", "Peak MiB: resident growth of one validate in a fresh child (lazy imports loaded first)."]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------ (b) training
+def run_fit(template: CopyModel, loader: DataLoader, steps: int, with_monitor: bool) -> float:
+    """Seconds of one ``Trainer.fit`` of ``steps`` steps on a copy of ``template``, no validation."""
+    model = copy.deepcopy(template)
+    callbacks = [_monitor(2)] if with_monitor else []
+    trainer = _trainer(logger=False, callbacks=callbacks, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0)
+    start = time.perf_counter()
+    trainer.fit(model, loader)
+    elapsed = time.perf_counter() - start
+    if trainer.global_step != steps:
+        raise RuntimeError(f"Expected {steps} steps, ran {trainer.global_step}.")
+    return elapsed
+
+
+def bench_training(steps: int, repeats: int, threads: int) -> str:
+    pl.seed_everything(0, verbose=False)
+    template = CopyModel(num_layers=NUM_LAYERS, lr=2e-3, total_steps=steps)
+    loader = DataLoader(CopyDataset(steps * BATCH_SIZE, seed=1), batch_size=BATCH_SIZE)
+    configs = (False, True)
+    samples: dict[bool, list[float]] = {config: [] for config in configs}
+    for config in configs:  # warm-up
+        run_fit(template, loader, steps, config)
+    for repeat in range(repeats):
+        order = configs if repeat % 2 == 0 else configs[::-1]
+        for config in order:
+            samples[config].append(run_fit(template, loader, steps, config))
+    times = {config: statistics.median(values) for config, values in samples.items()}
+    base = times[False]
+    ratios = _paired(samples[True], samples[False], lambda a, b: a / b)
+    return "\n".join(
+        [
+            f"### (b) Training: `Trainer.fit`, {steps} steps of {BATCH_SIZE} x {MAX_LEN} tokens, no validation",
+            "",
+            f"Demo TinyGPT, AdamW, {threads} torch thread(s), `logger=False`. {repeats} interleaved repeats "
+            "(order alternated), each a fresh Trainer on a fresh copy of the same initial model and the same "
+            "dataloader; idle = `AttentionEntropyMonitor(batches=2)` attached without `train_every_n_steps` "
+            "(capture hooks installed, never recording). Only `fit` is timed. fit ms: median; ratio: median "
+            "[inter-quartile range] of the paired (same repeat) ratios.",
+            "",
+            "| callback | fit ms | ms per step | x no callback |",
+            "|---|---|---|---|",
+            f"| none | {base * 1e3:.0f} | {base / steps * 1e3:.1f} | 1.00 |",
+            f"| monitor, idle | {times[True] * 1e3:.0f} | {times[True] / steps * 1e3:.1f} | {_spread(ratios, 3)} |",
+            "",
+            f"Paired ratios, sorted: {', '.join(f'{r:.3f}' for r in sorted(ratios))}.",
+        ]
+    )
+
+
+# ------------------------------------------------------------ (c) DDP sync
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _layers() -> dict[str, int]:
+    return {f"blocks.{index}.attn": SYNC_HEADS for index in range(SYNC_LAYERS)}
+
+
+def _feed(metric: AttentionEntropy, tokens: int, rank: int) -> None:
+    """``tokens`` queries per layer (sequences of QUERIES causal queries), entropy uniform in [0, ln keys]."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    queries = min(tokens, QUERIES)
+    num_valid = torch.arange(1, queries + 1)[None, None, :]
+    sequences = -(-tokens // queries)
+    for layer in metric.layers:
+        for first in range(0, sequences, SEQUENCES_PER_UPDATE):
+            count = min(SEQUENCES_PER_UPDATE, sequences - first)
+            entropy = torch.rand(count, SYNC_HEADS, queries, generator=generator) * num_valid.log()
+            metric.update(layer, entropy, num_valid)
+
+
+def _tensor_states(metric: AttentionEntropy) -> list[torch.Tensor]:
+    return [state for state in metric.metric_state.values() if isinstance(state, torch.Tensor)]
+
+
+def _state_bytes(metric: AttentionEntropy) -> int:
+    return sum(state.numel() * state.element_size() for state in _tensor_states(metric))
+
+
+def _sync_worker(
+    rank: int, port: int, token_counts: list[int], repeats: int, threads: int, queue: multiprocessing.Queue
+) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=300))
+    try:
+        rows = []
+        for tokens in token_counts:
+            synced = AttentionEntropy(_layers())
+            start = time.perf_counter()
+            _feed(synced, tokens, rank)
+            update_s = time.perf_counter() - start
+            local = AttentionEntropy(_layers(), sync_on_compute=False)
+            local.load_state_dict(synced.state_dict())
+            poke = (torch.zeros(1, SYNC_HEADS, 1), torch.tensor(1))  # one-key query: tallied, not counted
+            synced_s, local_s = [], []
+            for _ in range(repeats):
+                # An update clears compute()'s cache, so every compute syncs and recomputes.
+                synced.update("blocks.0.attn", *poke)
+                local.update("blocks.0.attn", *poke)
+                dist.barrier()
+                start = time.perf_counter()
+                summary = synced.compute()
+                synced_s.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                local.compute()
+                local_s.append(time.perf_counter() - start)
+            # Sanity: the synced summary holds both ranks' tokens.
+            counted = float(summary.count.sum())
+            queries = min(tokens, QUERIES)  # every query but the first of a sequence has >= 2 keys
+            expected = WORLD_SIZE * SYNC_LAYERS * SYNC_HEADS * -(-tokens // queries) * (queries - 1)
+            per_rank = torch.tensor([statistics.median(synced_s), statistics.median(local_s), update_s])
+            dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
+            rows.append((tokens, *per_rank.tolist(), _state_bytes(synced), len(synced.metric_state), counted, expected))
+        # References, same group: one barrier, and one all_gather of every state packed in one buffer.
+        flat = torch.cat([state.flatten() for state in _tensor_states(synced)])
+        gathered = [torch.empty_like(flat) for _ in range(WORLD_SIZE)]
+        barrier_s, packed_s = [], []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.barrier()
+            barrier_s.append(time.perf_counter() - start)
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_gather(gathered, flat)
+            packed_s.append(time.perf_counter() - start)
+        references = torch.tensor([statistics.median(barrier_s), statistics.median(packed_s)])
+        dist.all_reduce(references, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            queue.put((rows, *references.tolist(), flat.numel() * flat.element_size()))
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_sync(token_counts: list[int], repeats: int, threads: int) -> str:
+    port = _free_port()
+    args = [(rank, port, token_counts, repeats, threads) for rank in range(WORLD_SIZE)]
+    ((rows, barrier_s, packed_s, packed_bytes),) = _run_children(_sync_worker, args, 1)
+    lines = [
+        f"### (c) Metric sync: `AttentionEntropy.compute()` in a {WORLD_SIZE}-process gloo group",
+        "",
+        f"{SYNC_LAYERS} layers x {SYNC_HEADS} heads, default 1000 + 1000 histogram bins, float64 states; each "
+        f"rank first updates every layer with N tokens (sequences of up to {QUERIES} causal queries, "
+        f"{SEQUENCES_PER_UPDATE} sequences per update call). Processes from a fork server, MASTER_ADDR 127.0.0.1, "
+        f"{threads} torch thread(s) each. compute() ms: median of {repeats} (barrier before each; slower rank); "
+        "local = compute() of an unsynced copy of the same state (`sync_on_compute=False`), in the same run.",
+        "",
+        "| N tokens per rank per layer | states | state KiB per rank | synced compute ms | local compute ms | sync ms "
+        "| synced / local | update s (all layers) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for tokens, synced_s, local_s, update_s, state_bytes, states, counted, expected in rows:
+        if counted != expected:
+            raise RuntimeError(f"The synced summary counted {counted:.0f} queries, expected {expected}.")
+        lines.append(
+            f"| {tokens:.0e} | {states} | {state_bytes / 1024:.0f} | {synced_s * 1e3:.2f} | {local_s * 1e3:.2f} | "
+            f"{(synced_s - local_s) * 1e3:.2f} | {synced_s / local_s:.1f} | {update_s:.2f} |"
+        )
+    states = rows[-1][5]
+    lines += [
+        "",
+        f"torchmetrics syncs each of the {states} states on its own (a barrier, an all_gather of its shape and one of "
+        f"its values: {3 * states} collectives per compute). References in the same group: one barrier takes "
+        f"{barrier_s * 1e3:.2f} ms; one all_gather of all states packed into a single {packed_bytes / 1024:.0f} KiB "
+        f"buffer takes {packed_s * 1e3:.2f} ms.",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------ report
+def machine(threads: int) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs, {threads} torch thread(s), torch {torch.__version__}"
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=11, help="timed repeats of (a) and (b) (default 11)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in children (default 1)")
+    parser.add_argument("--val-batches", type=int, default=8, help="validation batches (default 8)")
+    parser.add_argument("--train-steps", type=int, default=30, help="training steps (default 30)")
+    parser.add_argument(
+        "--tokens", type=float, nargs="+", default=[1e3, 1e4, 1e5, 1e6], help="tokens per rank per layer for (c)"
+    )
+    parser.add_argument("--sync-repeats", type=int, default=7, help="timed compute() calls per N (default 7)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children of (a)")
+    args = parser.parse_args(argv)
+    if args.val_batches < 2:
+        parser.error("--val-batches must be at least 2")
+    _quiet()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        start = time.perf_counter()
+        sections = [
+            f"Monitor overhead ({machine(args.threads)}; load average {os.getloadavg()[0]:.1f} at start).",
+        ]
+        timings = []
+        for name, run in (
+            ("a", lambda: bench_validation(args.val_batches, args.repeats, args.threads, not args.no_memory)),
+            ("b", lambda: bench_training(args.train_steps, args.repeats, args.threads)),
+            ("c", lambda: bench_sync([int(tokens) for tokens in args.tokens], args.sync_repeats, args.threads)),
+        ):
+            section_start = time.perf_counter()
+            sections.append(run())
+            timings.append(f"({name}) {time.perf_counter() - section_start:.0f} s")
+        sections.append(f"Total {time.perf_counter() - start:.0f} s: {', '.join(timings)}.")
+    finally:
+        torch.set_num_threads(previous_threads)
+    table = "\n\n".join(sections)
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()
