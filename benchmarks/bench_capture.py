@@ -40,9 +40,6 @@ import copy
 import math
 import multiprocessing
 import os
-import platform
-import queue as queue_module
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -50,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from common import cpu_model, put_peak_growth, run_children
 from torch import Tensor, nn
 
 from attn_monitor.capture import AttentionCapture
@@ -294,11 +292,6 @@ def mean_difference(setup: Setup) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------- memory
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _peak_child(model: str, path: str, n: int, threads: int, queue: multiprocessing.Queue) -> None:
     torch.set_num_threads(threads)
     kind = "eager" if path == "output_attentions" else "sdpa"
@@ -308,33 +301,14 @@ def _peak_child(model: str, path: str, n: int, threads: int, queue: multiprocess
     # One tiny forward first, so one-time start-up (thread pools, lazy imports) is not charged to the path.
     tiny = Setup(model, module, module, *make_batch(8), setup.capture)
     run_path(tiny, path)
-    start = _rss_bytes()
-    run_path(setup, path)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    queue.put(max(0, peak - start))
+    put_peak_growth(queue, lambda: run_path(setup, path))
 
 
 def peak_memory(model: str, path: str, n: int) -> int:
-    """Resident-set growth (bytes) of one forward of ``path`` in a fresh child process.
-
-    Children come from a fork server that has imported torch (and
-    transformers) but never run an op: forking after OpenMP threads have
-    started can deadlock, so plain fork is never used.
-    """
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "attn_monitor.capture", "transformers.models.llama.modeling_llama"])
-    queue = context.Queue()
-    child = context.Process(target=_peak_child, args=(model, path, n, torch.get_num_threads(), queue))
-    child.start()
-    while True:
-        try:
-            value = queue.get(timeout=1.0)
-            break
-        except queue_module.Empty:
-            if not child.is_alive():
-                raise RuntimeError(f"Memory child for {model}/{path}/N={n} exited with {child.exitcode}.") from None
-    child.join()
-    return value
+    """Resident-set growth (bytes) of one forward of ``path`` in a fresh child process."""
+    preload = ["torch", "attn_monitor.capture", "transformers.models.llama.modeling_llama"]
+    (value,) = run_children(_peak_child, [(model, path, n, torch.get_num_threads())], 1, preload)
+    return int(value)
 
 
 def profile_monitored(setup: Setup, rows: int = 15) -> str:
@@ -349,13 +323,7 @@ def profile_monitored(setup: Setup, rows: int = 15) -> str:
 
 # ------------------------------------------------------------------- report
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def load_average() -> str:

@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing
-import os
-import platform
-import resource
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from common import cpu_model, put_peak_growth, run_children
 
 from attn_monitor import Support, entropy_from_qk
 
@@ -60,33 +58,15 @@ PATHS: dict[str, Callable[[torch.Tensor, torch.Tensor, Support], torch.Tensor]] 
 }
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _peak_child(path: str, n: int, mask_kind: str, queue: multiprocessing.Queue) -> None:
     q, k, support = make_inputs(n, mask_kind)
-    start = _rss_bytes()
-    PATHS[path](q, k, support)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    queue.put(max(0, peak - start))
+    put_peak_growth(queue, lambda: PATHS[path](q, k, support))
 
 
 def peak_memory(path: str, n: int, mask_kind: str) -> int:
-    """Resident-set growth (bytes) of one call in a fresh child process.
-
-    Children come from a fork server that has imported torch but never run
-    an op: forking after OpenMP threads have started can deadlock.
-    """
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "attn_monitor"])
-    queue = context.Queue()
-    child = context.Process(target=_peak_child, args=(path, n, mask_kind, queue))
-    child.start()
-    value = queue.get()
-    child.join()
-    return value
+    """Resident-set growth (bytes) of one call in a fresh child process."""
+    (value,) = run_children(_peak_child, [(path, n, mask_kind)], 1, preload=["torch", "attn_monitor"])
+    return int(value)
 
 
 def time_paths(n: int, mask_kind: str, repeats: int) -> dict[str, float]:
@@ -112,13 +92,7 @@ def accuracy(n: int, mask_kind: str) -> float:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def report(sizes: list[int], repeats: int) -> str:

@@ -37,25 +37,22 @@ import copy
 import logging
 import multiprocessing
 import os
-import platform
-import queue as queue_module
-import resource
 import socket
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import lightning.pytorch as pl
+from common import cpu_model, put_peak_growth, run_children
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 from train_tiny_gpt import MAX_LEN, CopyDataset, CopyModel  # type: ignore[import-not-found]
@@ -69,7 +66,6 @@ SYNC_LAYERS, SYNC_HEADS, WORLD_SIZE = 4, 8, 2
 QUERIES = 1000
 #: Sequences per update call in the sync benchmark (bounds the update's temporary memory).
 SEQUENCES_PER_UPDATE = 100
-CHILD_TIMEOUT_S = 600.0
 
 
 def _quiet() -> None:
@@ -140,11 +136,6 @@ def run_validation(model: CopyModel, loader: DataLoader, sampled: int, logdir: s
     return elapsed
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _validation_peak_child(sampled: int, val_batches: int, threads: int, queue: multiprocessing.Queue) -> None:
     _quiet()
     torch.set_num_threads(threads)
@@ -155,54 +146,15 @@ def _validation_peak_child(sampled: int, val_batches: int, threads: int, queue: 
 
     model, loader = validation_setup(val_batches)
     with tempfile.TemporaryDirectory() as logdir:
-        start = _rss_bytes()
-        run_validation(model, loader, sampled, logdir)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    queue.put(max(0, peak - start))
+        put_peak_growth(queue, lambda: run_validation(model, loader, sampled, logdir))
 
 
-def _context() -> multiprocessing.context.ForkServerContext:
-    """A fork server that has imported torch but never run an op (plain fork after ops can deadlock).
-
-    The preload only applies if this process has not started its fork server
-    yet (another benchmark in the same process may have).
-    """
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "lightning.pytorch", "attn_monitor"])
-    return context
-
-
-def _run_children(target: Callable[..., None], args_per_child: Sequence[tuple], count_results: int) -> list[Any]:
-    """Start one child per args tuple (each gets the queue last); return ``count_results`` queued values."""
-    context = _context()
-    queue = context.Queue()
-    children = [context.Process(target=target, args=(*args, queue)) for args in args_per_child]
-    for child in children:
-        child.start()
-    results: list[Any] = []
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
-    try:
-        while len(results) < count_results:
-            try:
-                results.append(queue.get(timeout=1.0))
-            except queue_module.Empty:
-                failed = [child.exitcode for child in children if child.exitcode not in (None, 0)]
-                if failed:
-                    raise RuntimeError(f"A benchmark child failed (exit codes {failed}).") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"The benchmark children sent nothing within {CHILD_TIMEOUT_S:.0f} s.") from None
-    finally:
-        for child in children:
-            child.join(timeout=30)
-            if child.is_alive():
-                child.terminate()
-                child.join()
-    return results
+_PRELOAD = ["torch", "lightning.pytorch", "attn_monitor"]
 
 
 def validation_peak(sampled: int, val_batches: int, threads: int) -> int:
     """Resident-set growth (bytes) of one validate in a fresh child process."""
-    (value,) = _run_children(_validation_peak_child, [(sampled, val_batches, threads)], 1)
+    (value,) = run_children(_validation_peak_child, [(sampled, val_batches, threads)], 1, _PRELOAD)
     return int(value)
 
 
@@ -431,7 +383,7 @@ def _sync_worker(
 def bench_sync(token_counts: list[int], repeats: int, threads: int) -> str:
     port = _free_port()
     args = [(rank, port, token_counts, repeats, threads) for rank in range(WORLD_SIZE)]
-    ((rows, barrier_s, packed_s, packed_bytes),) = _run_children(_sync_worker, args, 1)
+    ((rows, barrier_s, packed_s, packed_bytes),) = run_children(_sync_worker, args, 1, _PRELOAD)
     lines = [
         f"### (c) Metric sync: `AttentionEntropy.compute()` in a {WORLD_SIZE}-process gloo group",
         "",
@@ -465,13 +417,7 @@ def bench_sync(token_counts: list[int], repeats: int, threads: int) -> str:
 
 # ------------------------------------------------------------ report
 def machine(threads: int) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs, {threads} torch thread(s), torch {torch.__version__}"
+    return f"{cpu_model()}, {os.cpu_count()} logical CPUs, {threads} torch thread(s), torch {torch.__version__}"
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import cpu_model
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -123,7 +124,7 @@ def _git_revision() -> str:
 
 
 def machine_lines(threads: int, monitor_threads: int) -> list[str]:
-    cpu = _read("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
+    cpu = cpu_model()
     memory = _read("/proc/meminfo", "MemTotal")
     memory_gib = f"{int(memory.split()[0]) / 2**20:.0f} GiB RAM" if memory else "RAM unknown"
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

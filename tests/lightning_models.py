@@ -120,19 +120,33 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class _FailingSteps:
-    """Mixin: raise inside chosen validation or training steps."""
+class _LMSteps(pl.LightningModule):
+    """Language-model steps shared by the test modules; raise inside chosen validation or training steps."""
 
     fail_on_val_batch: int | None = None
     fail_on_train_batch: int | None = None
+    lr: float
 
     def _maybe_fail(self, kind: str, batch_idx: int) -> None:
         target = self.fail_on_val_batch if kind == "val" else self.fail_on_train_batch
         if target is not None and batch_idx == target:
             raise RuntimeError(f"{kind} step {batch_idx} failed on purpose")
 
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self._maybe_fail("train", batch_idx)
+        loss = lm_loss(self(**batch), batch)
+        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        return loss
 
-class TinyGPT(_FailingSteps, pl.LightningModule):
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._maybe_fail("val", batch_idx)
+        self.log("val_loss", lm_loss(self(**batch), batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+
+
+class TinyGPT(_LMSteps):
     """Embeddings, two pre-norm blocks, LM head; ``forward(input_ids, attention_mask)``."""
 
     def __init__(self, lr: float = 1e-2, seed: int = 0) -> None:
@@ -154,24 +168,11 @@ class TinyGPT(_FailingSteps, pl.LightningModule):
             x = block(x, attention_mask)
         return self.head(self.ln_f(x))
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        self._maybe_fail("train", batch_idx)
-        loss = lm_loss(self(**batch), batch)
-        self.log("train_loss", loss, on_step=True, on_epoch=False)
-        return loss
-
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._maybe_fail("val", batch_idx)
-        self.log("val_loss", lm_loss(self(**batch), batch))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
-
 
 # --------------------------------------------------------------------------- Hugging Face model
 
 
-class HFLM(_FailingSteps, pl.LightningModule):
+class HFLM(_LMSteps):
     """A tiny random ``family`` causal LM (sdpa attention by default) as a LightningModule; ``self.model`` is it."""
 
     def __init__(self, family: str = "gpt2", lr: float = 1e-2, seed: int = 0, implementation: str = "sdpa") -> None:
@@ -181,19 +182,6 @@ class HFLM(_FailingSteps, pl.LightningModule):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        self._maybe_fail("train", batch_idx)
-        loss = lm_loss(self(**batch), batch)
-        self.log("train_loss", loss, on_step=True, on_epoch=False)
-        return loss
-
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._maybe_fail("val", batch_idx)
-        self.log("val_loss", lm_loss(self(**batch), batch))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
 
 
 # --------------------------------------------------------------------------- recording helpers
