@@ -25,7 +25,15 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from attn_monitor.capture import Adapter, AttentionCall, AttentionCapture, _matches, nothing_captured_message
+from attn_monitor.capture import (
+    Adapter,
+    AttentionCall,
+    AttentionCapture,
+    _matches,
+    default_document_ids,
+    default_padding_mask,
+    nothing_captured_message,
+)
 from attn_monitor.compare import save_summary
 from attn_monitor.diagnostics import MassDiagnostics
 from attn_monitor.logging import WANDB_MAX_BINS, log_summary, logger_kind
@@ -37,24 +45,6 @@ BatchMask = Callable[[Any], "Tensor | None"]
 
 #: Mean leakage above this (per layer) means packed documents see each other.
 LEAKAGE_TOLERANCE = 1e-4
-
-
-def _batch_tensor(batch: Any, key: str) -> Tensor | None:
-    if isinstance(batch, Mapping):
-        value = batch.get(key)
-        if isinstance(value, Tensor) and value.dim() == 2:
-            return value
-    return None
-
-
-def default_padding_mask(batch: Any) -> Tensor | None:
-    """The ``attention_mask`` of a dict batch (Hugging Face style), else None."""
-    return _batch_tensor(batch, "attention_mask")
-
-
-def default_document_ids(batch: Any) -> Tensor | None:
-    """The ``document_ids`` of a dict batch (packed sequences), else None."""
-    return _batch_tensor(batch, "document_ids")
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

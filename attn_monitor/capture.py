@@ -454,7 +454,7 @@ class AttentionCapture:
                 return
             call = adapter(module, args, kwargs, output)
             if call is not None:
-                self._receive(AttentionCall(name, call.support, call.q, call.k, call.scale, call.probs))
+                self._receive(replace(call, layer=name))
 
         return hook
 
@@ -572,11 +572,22 @@ def _default_forward(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
-def _padding_of(batch: Any, key: str) -> Tensor | None:
+def _batch_tensor(batch: Any, key: str) -> Tensor | None:
     if isinstance(batch, Mapping):
         value = batch.get(key)
-        return value if isinstance(value, Tensor) and value.dim() == 2 else None
+        if isinstance(value, Tensor) and value.dim() == 2:
+            return value
     return None
+
+
+def default_padding_mask(batch: Any) -> Tensor | None:
+    """The (batch, seq) ``attention_mask`` of a dict batch (Hugging Face style), else None."""
+    return _batch_tensor(batch, "attention_mask")
+
+
+def default_document_ids(batch: Any) -> Tensor | None:
+    """The (batch, seq) ``document_ids`` of a dict batch (packed sequences), else None."""
+    return _batch_tensor(batch, "document_ids")
 
 
 def evaluate_attention(
@@ -629,8 +640,8 @@ def evaluate_attention(
         ['self_attn']
     """
     forward = forward or _default_forward
-    padding_mask = padding_mask or (lambda batch: _padding_of(batch, "attention_mask"))
-    document_ids = document_ids or (lambda batch: _padding_of(batch, "document_ids"))
+    padding_mask = padding_mask or default_padding_mask
+    document_ids = document_ids or default_document_ids
     capture = AttentionCapture(model, metric, layers=layers, adapters=adapters)
     capture.consumers.extend(consumers)
     was_training = model.training
