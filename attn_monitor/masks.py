@@ -234,11 +234,6 @@ class Support:
             raise ValueError(f"Expected one batch size across the masks, got {sizes}.")
         return next(iter(sizes.values()), 1)
 
-    @property
-    def is_structured(self) -> bool:
-        """True when no explicit mask is involved, so closed forms apply."""
-        return self.mask is None
-
     def block(self, q_start: int, q_stop: int, k_start: int, k_stop: int) -> Tensor | None:
         """Visibility of keys ``[k_start, k_stop)`` to queries ``[q_start, q_stop)``.
 
