@@ -522,8 +522,8 @@ class AttentionCapture:
 
     def _update_entropy(self, call: AttentionCall, sample: Tensor) -> None:
         if call.probs is not None:
-            visible = call.support.dense()
-            stranded = (torch.where(visible, call.probs, 0).sum(-1) == 0) & visible.any(-1)
+            entropy = attention_entropy(call.probs, call.support.dense(), no_mass="nan")
+            stranded = entropy.isnan() & (call.support.num_valid() > 0)
             if stranded.any():
                 # Eager attention in train mode returns weights after dropout: a row can lose
                 # its whole support. Those queries are left out; the rest are renormalised.
@@ -533,9 +533,7 @@ class AttentionCapture:
                     "some queries (dropout in train mode?); they are left out. Monitor in eval mode, or use "
                     "sdpa attention, for the pre-dropout distribution.",
                 )
-                visible = visible | stranded[..., None]
                 sample = sample & ~stranded
-            entropy = attention_entropy(torch.where(stranded[..., None], 1.0, call.probs), visible)
         elif call.q is not None and call.k is not None:
             entropy = entropy_from_qk(call.q, call.k, mask=call.support, scale=call.scale, method=self.method)
         else:

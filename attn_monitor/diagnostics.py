@@ -13,19 +13,21 @@ summed from the probabilities of modules that return them:
   lost), ``m(window) + m(sinks) - m(window and sinks)``. A streaming cache
   only holds past keys, so this is meant for causal models.
 * **cross-document leakage**: mass on keys of other documents,
-  ``1 - m(same document)``. Non-zero means the model's mask does not isolate
-  packed samples.
+  ``1 - m(same document)`` (summed directly over the other documents' keys
+  where probabilities are at hand, so an isolating mask reads exactly 0).
+  Non-zero means the model's mask does not isolate packed samples.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 from attn_monitor.capture import AttentionCall
-from attn_monitor.functional import attention_lse, mass_fraction
+from attn_monitor.functional import attention_lse, mass_fraction, restrict_to_support
 from attn_monitor.masks import Support, leading_keys
 from attn_monitor.metric import AttentionMass
 
@@ -120,7 +122,7 @@ class MassDiagnostics:
             keys = leading_keys(count, padding, documents, length).to(support._device())
             restricted = base.restrict_keys(keys)
             # Other documents' leading tokens are not this query's sinks, even where the mask leaks.
-            return restricted if documents is None else restricted.with_documents(documents)
+            return restricted if documents is None else _within_documents(restricted, documents)
 
         if self.sink_tokens is not None:
             self.metric.update(f"sink_mass/{call.layer}", mass(sinks(support, self.sink_tokens)), sample)
@@ -132,8 +134,7 @@ class MassDiagnostics:
                 kept = mass(recent) + mass(sinks(support, count)) - mass(sinks(recent, count))
             self.metric.update(f"coverage_s{count}_w{window}/{call.layer}", kept.clamp(0.0, 1.0), sample)
         if self.leakage and documents is not None:
-            own = mass(support.with_documents(documents))
-            self.metric.update(f"leakage/{call.layer}", (1.0 - own).clamp(0.0, 1.0), sample)
+            self.metric.update(f"leakage/{call.layer}", mass.off_documents(documents), sample)
 
 
 class _MassOf:
@@ -144,10 +145,8 @@ class _MassOf:
         self.method = method
         if call.probs is not None:
             visible = call.support.dense()
-            probs = torch.where(visible, call.probs.to(torch.float32), torch.zeros((), device=visible.device))
-            total = probs.sum(-1, keepdim=True)
-            self.probs = probs / torch.where(total > 0, total, torch.ones_like(total))
-            self.empty = (total.squeeze(-1) == 0) | (visible.sum(-1) == 0)
+            self.probs, no_mass = restrict_to_support(call.probs, visible)
+            self.empty = no_mass | ~visible.any(-1)
         else:
             self.lse_all = self._lse(call.support)
 
@@ -157,9 +156,42 @@ class _MassOf:
 
     def __call__(self, subset: Support) -> Tensor:
         if self.call.probs is None:
-            return mass_fraction(self._lse(subset), self.lse_all)
+            # The support itself (documents the mask already isolates): the same lse, exactly.
+            lse = self.lse_all if subset is self.call.support else self._lse(subset)
+            return mass_fraction(lse, self.lse_all)
         value = (self.probs * subset.dense()).sum(-1)
         return value.masked_fill(self.empty, float("nan"))
+
+    def off_documents(self, documents: Tensor) -> Tensor:
+        """Each query's mass on keys of other documents than its own (cross-document leakage)."""
+        own = _within_documents(self.call.support, documents)
+        if self.call.probs is None:
+            return (1.0 - self(own)).clamp(0.0, 1.0)
+        # Summed over the other documents' keys, not 1 - own mass: an isolating mask gives exactly 0.
+        documents = documents.to(self.probs.device)
+        other = documents[:, None, :, None] != documents[:, None, None, :]
+        value = (self.probs * other).sum(-1).clamp(0.0, 1.0)
+        return value.masked_fill(self.empty, float("nan"))
+
+
+def _within_documents(support: Support, documents: Tensor) -> Support:
+    """``support`` intersected with "same document as the query", also when it already has documents.
+
+    Two partitions into contiguous runs intersect in the runs between the
+    positions where either changes; the same documents twice is the same set,
+    so ``support`` itself comes back.
+    """
+    if support.document_ids is None:
+        return support.with_documents(documents)
+    mine, given = torch.broadcast_tensors(support.document_ids, documents.to(support.document_ids.device))
+    change_mine = mine[:, 1:] != mine[:, :-1]
+    change = change_mine | (given[:, 1:] != given[:, :-1])
+    if torch.equal(change, change_mine):
+        return support
+    combined = torch.nn.functional.pad(change.long().cumsum(-1), (1, 0))
+    derived = copy.copy(support)
+    derived.document_ids = None
+    return derived.with_documents(combined)
 
 
 def _fits(value: Tensor | None, length: int) -> bool:

@@ -16,7 +16,9 @@ Rules shared by every function:
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -25,13 +27,16 @@ from torch import Tensor
 from attn_monitor.masks import Support, broadcasts_to
 
 __all__ = [
+    "attention_distance",
     "attention_entropy",
     "attention_lse",
+    "attention_max_logit",
     "entropy_from_logits",
     "entropy_from_qk",
     "histogram_quantile",
     "mass_fraction",
     "normalize_entropy",
+    "restrict_to_support",
 ]
 
 Method = Literal["auto", "fused", "chunked"]
@@ -105,17 +110,28 @@ def _finish(entropy: Tensor, num_valid: Tensor, normalize: bool) -> Tensor:
     return normalize_entropy(entropy, count) if normalize else entropy
 
 
-def attention_entropy(attn: Tensor, mask: Tensor | None = None, *, normalize: bool = False) -> Tensor:
+def attention_entropy(
+    attn: Tensor,
+    mask: Tensor | None = None,
+    *,
+    normalize: bool = False,
+    no_mass: Literal["raise", "nan"] = "raise",
+) -> Tensor:
     """Entropy of each query's attention distribution, from probabilities.
 
     The weights are restricted to the support given by ``mask`` and
-    renormalised there, so masked slots may hold zeros or small leftovers.
+    renormalised there (:func:`restrict_to_support`), so masked slots may hold
+    zeros or small leftovers.
 
     Args:
         attn: (batch, heads, query, key) attention probabilities.
         mask: bool, broadcastable to ``attn``; True = the key is visible to the
             query (the SDPA convention). None means every key is valid.
         normalize: divide by ``ln(number of valid keys)``.
+        no_mass: what a query whose weights put no mass on its non-empty
+            support gets: ``"raise"`` (the mask does not match the weights) or
+            ``"nan"`` (for callers that expect it, e.g. weights after dropout,
+            and leave those queries out).
 
     Returns:
         (batch, heads, query) entropy in nats, or normalised to [0, 1].
@@ -123,7 +139,8 @@ def attention_entropy(attn: Tensor, mask: Tensor | None = None, *, normalize: bo
     Raises:
         TypeError: ``attn`` or ``mask`` of the wrong type or dtype.
         ValueError: wrong shapes; NaN, inf or negative weights; a query whose
-            weights put no mass on its (non-empty) support.
+            weights put no mass on its (non-empty) support, with
+            ``no_mass="raise"``.
 
     Example:
         >>> uniform = torch.full((1, 1, 1, 4), 0.25)
@@ -133,28 +150,20 @@ def attention_entropy(attn: Tensor, mask: Tensor | None = None, *, normalize: bo
         >>> attention_entropy(one_hot, normalize=True)
         tensor([[[0.]]])
     """
-    attn = _check_4d("attn", attn, "(batch, heads, query, key)")
-    mask = _check_bool_mask(mask, attn.shape)
-    if not torch.isfinite(attn).all():
-        raise ValueError("Expected `attn` to hold finite probabilities, got NaN or inf values.")
-    if (attn < 0).any():
-        raise ValueError(f"Expected `attn` to hold non-negative probabilities, got minimum {attn.min().item():.3g}.")
-    probs = attn.to(_compute_dtype(attn.dtype))
-    if mask is None:
-        num_valid = torch.full(probs.shape[:-1], probs.shape[-1], device=probs.device)
-    else:
-        probs = torch.where(mask, probs, torch.zeros((), dtype=probs.dtype, device=probs.device))
-        num_valid = mask.expand(attn.shape).sum(-1)
-    mass = probs.sum(-1, keepdim=True)
-    stranded = (mass.squeeze(-1) == 0) & (num_valid > 0)
-    if stranded.any():
+    if no_mass not in ("raise", "nan"):
+        raise ValueError(f"Expected `no_mass` in ('raise', 'nan'), got {no_mass!r}.")
+    probs, stranded = restrict_to_support(attn, mask)
+    if no_mass == "raise" and stranded.any():
         raise ValueError(
             f"`attn` puts zero mass on the support of {int(stranded.sum())} queries that have valid keys; "
             "the mask does not match the weights."
         )
-    probs = probs / torch.where(mass > 0, mass, torch.ones_like(mass))
-    entropy = -torch.special.xlogy(probs, probs).sum(-1)
-    return _finish(entropy, num_valid, normalize)
+    if mask is None:
+        num_valid = torch.full(probs.shape[:-1], probs.shape[-1], device=probs.device)
+    else:
+        num_valid = mask.expand(probs.shape).sum(-1)
+    entropy = _finish(-torch.special.xlogy(probs, probs).sum(-1), num_valid, normalize)
+    return entropy.masked_fill(stranded, math.nan)
 
 
 def _logits_entropy(scores: Tensor, visible: Tensor | None) -> Tensor:
@@ -335,14 +344,17 @@ def entropy_from_qk(
 
     Raises:
         TypeError: wrong types or dtypes.
-        ValueError: shapes that disagree, ``method="fused"`` where it cannot
-            apply, a non-positive ``memory_budget``.
+        ValueError: shapes that disagree; NaN or inf in ``q`` or ``k``; a NaN
+            or infinite ``scale`` (zero and negative scales are allowed, as in
+            SDPA); NaN or ``+inf`` in an additive ``mask``; ``method="fused"``
+            where it cannot apply; a non-positive ``memory_budget``.
 
     Example:
         >>> q = torch.zeros(1, 1, 3, 4)  # equal logits: uniform over visible keys
         >>> entropy_from_qk(q, torch.randn(1, 1, 3, 4), is_causal=True, normalize=True)
         tensor([[[nan, 1., 1.]]])
     """
+    _check_qk_values(q, k, mask, scale)
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, method, memory_budget)
     _, entropy = _qk_pass(q, k, support, scale, method, memory_budget)
     return _finish(entropy, support.num_valid(), normalize)
@@ -372,11 +384,15 @@ def attention_lse(
         (batch, heads, seq_q) logsumexp, float32 (float64 for float64 input);
         ``-inf`` where a query has no visible key.
 
+    Raises:
+        TypeError, ValueError: as :func:`entropy_from_qk`.
+
     Example:
         >>> q = torch.zeros(1, 1, 2, 4)  # all logits 0: lse = ln(number of visible keys)
         >>> attention_lse(q, torch.randn(1, 1, 2, 4), is_causal=True).exp()
         tensor([[[1., 2.]]])
     """
+    _check_qk_values(q, k, mask, scale)
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, method, memory_budget)
     lse, _ = _qk_pass(q, k, support, scale, method, memory_budget)
     return lse
@@ -500,3 +516,237 @@ def histogram_quantile(counts: Tensor, q: float, *, low: float = 0.0, high: floa
     width = (high - low) / bins
     value = low + (index.to(torch.float64) + fraction) * width
     return torch.where(total > 0, value, torch.full_like(value, math.nan)).squeeze(-1)
+
+
+# --------------------------------------------------------------------------- input values
+
+
+def _check_qk_values(q: object, k: object, mask: object, scale: object) -> None:
+    """Reject what would silently turn into NaN inside a kernel: non-finite q, k, scale or bias.
+
+    One reduction per tensor, nothing of size N x N beyond the mask the caller
+    already holds.
+    """
+    q, k = _check_qk(q, k)
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"Expected `scale` to be a real number or None, got {type(scale).__name__}.")
+        if not math.isfinite(scale):
+            raise ValueError(f"Expected a finite `scale`, got {scale!r}.")
+    for name, value in (("q", q), ("k", k)):
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"Expected `{name}` to hold finite values, got NaN or inf (a diverging model?).")
+    bias = mask.bias if isinstance(mask, Support) else mask
+    # ``x < inf`` is False exactly for NaN and +inf; -inf (a hidden key) passes.
+    if isinstance(bias, Tensor) and bias.dtype.is_floating_point and not bool((bias < math.inf).all()):
+        raise ValueError(
+            "Expected an additive `mask` without NaN or +inf values; -inf (or the dtype's minimum) hides a key."
+        )
+
+
+# --------------------------------------------------------------------------- weights on the support
+
+
+def restrict_to_support(attn: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Attention weights restricted to each query's support and renormalised there.
+
+    The one place where probabilities a model returned become a distribution
+    over the valid keys (DESIGN.md §2): masked slots are zeroed, whatever they
+    held, and each row is divided by its mass on the support.
+
+    Args:
+        attn: (batch, heads, query, key) attention probabilities.
+        mask: bool, broadcastable to ``attn``; True = visible. None: every key.
+
+    Returns:
+        ``(weights, no_mass)``: (batch, heads, query, key) weights, float32
+        (float64 for float64 input), zero off the support, summing to 1 on it;
+        and (batch, heads, query) bool, True for queries whose non-empty
+        support holds no mass (all their weights are 0), e.g. after dropout.
+
+    Raises:
+        TypeError: ``attn`` or ``mask`` of the wrong type or dtype.
+        ValueError: wrong shapes; NaN, inf or negative weights.
+
+    Example:
+        >>> weights, no_mass = restrict_to_support(
+        ...     torch.tensor([[[[0.5, 0.3, 0.2], [0.0, 0.0, 1.0]]]]), torch.tensor([True, True, False])
+        ... )
+        >>> weights
+        tensor([[[[0.6250, 0.3750, 0.0000],
+                  [0.0000, 0.0000, 0.0000]]]])
+        >>> no_mass
+        tensor([[[False,  True]]])
+    """
+    attn = _check_4d("attn", attn, "(batch, heads, query, key)")
+    mask = _check_bool_mask(mask, attn.shape)
+    if not torch.isfinite(attn).all():
+        raise ValueError("Expected `attn` to hold finite probabilities, got NaN or inf values.")
+    if (attn < 0).any():
+        raise ValueError(f"Expected `attn` to hold non-negative probabilities, got minimum {attn.min().item():.3g}.")
+    weights = attn.to(_compute_dtype(attn.dtype))
+    if mask is not None:
+        weights = torch.where(mask, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
+    mass = weights.sum(-1, keepdim=True)
+    weights = weights / torch.where(mass > 0, mass, torch.ones_like(mass))
+    no_mass = mass.squeeze(-1) == 0
+    if mask is not None:
+        no_mass = no_mass & mask.any(-1)
+    return weights, no_mass.expand(attn.shape[:-1])
+
+
+# --------------------------------------------------------------------------- max logit and distance
+
+#: Above this |logit| the distance path scores a block again in float64: a float32
+#: logit of that size is off by more than 1e-5, and softmax weights with it.
+_EXACT_SCORES_ABOVE = 64.0
+
+
+def _query_blocks(
+    q: Tensor,
+    k: Tensor,
+    support: Support,
+    scale: float,
+    memory_budget: int,
+    reduce: Callable[[Tensor, int, int, Callable[[torch.dtype], Tensor]], Tensor],
+) -> Tensor:
+    """``reduce(scores, q_start, k_start, rescore)`` of each query block, NaN where no key is visible.
+
+    Scores are ``scale * q k^T`` (+ bias, hidden keys ``-inf``) over the key
+    range the structure leaves visible to the block; grouped key heads are
+    broadcast, never copied. ``rescore(dtype)`` computes the block's scores
+    from ``q`` and ``k`` in ``dtype``.
+    """
+    batch, heads, num_q, dim = q.shape
+    kv_heads, num_k = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    # scores, weights and one more block-sized temporary are alive at once.
+    bytes_per_row = 3 * batch * heads * num_k * q.element_size()
+    block = max(1, min(num_q, memory_budget // max(1, bytes_per_row)))
+    out = q.new_full((batch, heads, num_q), math.nan)
+    for q_start in range(0, num_q, block):
+        q_stop = min(num_q, q_start + block)
+        k_start, k_stop = support.key_range(q_start, q_stop)
+        if k_stop == k_start:
+            continue
+
+        def rescore(dtype: torch.dtype, q_start: int = q_start, q_stop: int = q_stop) -> Tensor:
+            rows = q[:, :, q_start:q_stop].to(dtype) * scale
+            keys = k[:, :, None, k_start:k_stop].to(dtype)
+            scores = (rows.reshape(batch, kv_heads, group, q_stop - q_start, dim) @ keys.transpose(-1, -2)).flatten(1, 2)
+            if support.bias is not None:
+                scores = scores + support.bias[..., q_start:q_stop, k_start:k_stop].to(scores.dtype)
+            visible = support.block(q_start, q_stop, k_start, k_stop)
+            return scores if visible is None else scores.masked_fill(~visible, -math.inf)
+
+        out[:, :, q_start:q_stop] = reduce(rescore(q.dtype), q_start, k_start, rescore)
+    return out.masked_fill(support.num_valid() == 0, math.nan)
+
+
+def attention_max_logit(
+    q: Tensor,
+    k: Tensor,
+    *,
+    mask: Tensor | Support | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> Tensor:
+    """Largest attention logit each query gives a visible key, without the matrix.
+
+    The per-head maximum logit ``max_j (scale * q.k_j + bias_j)`` over the
+    query's support is what QK-clip style recipes watch: logit growth comes
+    before entropy collapse and loss spikes. It depends on ``scale`` and on
+    the keys' norms, so compare it across runs of one model only.
+
+    Computed over query blocks of at most ``memory_budget`` bytes of scores,
+    skipping key ranges the structure hides (O(B H N D) memory).
+
+    Args:
+        q, k, mask, is_causal, scale, memory_budget: as in
+            :func:`entropy_from_qk` (GQA keys allowed; an additive float
+            ``mask`` adds its bias to the logits).
+
+    Returns:
+        (batch, heads, seq_q) maximum logits, float32 (float64 for float64
+        input); NaN where a query has no visible key.
+
+    Raises:
+        TypeError, ValueError: as :func:`entropy_from_qk`.
+
+    Example:
+        >>> q = torch.ones(1, 1, 3, 4)
+        >>> k = torch.arange(3.0)[None, None, :, None].expand(1, 1, 3, 4)  # logit of key j: 2 j
+        >>> attention_max_logit(q, k, is_causal=True)
+        tensor([[[0., 2., 4.]]])
+        >>> attention_max_logit(q, k, mask=torch.zeros(3, 3, dtype=torch.bool))
+        tensor([[[nan, nan, nan]]])
+    """
+    _check_qk_values(q, k, mask, scale)
+    support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, "chunked", memory_budget)
+    return _query_blocks(q, k, support, scale, memory_budget, lambda scores, *_: scores.amax(-1))
+
+
+def _block_distance(scores: Tensor, q_start: int, k_start: int, rescore: Callable[[torch.dtype], Tensor]) -> Tensor:
+    """E|i - j| under softmax(scores) for one query block; exact float64 scores where logits are large."""
+    finite = scores.masked_fill(scores == -math.inf, 0.0)
+    if scores.dtype != torch.float64 and finite.numel() and float(finite.abs().amax()) > _EXACT_SCORES_ABOVE:
+        # Large logits: float32 scores lose the digits softmax weights depend on.
+        scores = rescore(torch.float64)
+    rows = torch.arange(q_start, q_start + scores.shape[-2], device=scores.device, dtype=scores.dtype)
+    cols = torch.arange(k_start, k_start + scores.shape[-1], device=scores.device, dtype=scores.dtype)
+    distance = (rows[:, None] - cols[None, :]).abs()
+    weights = scores.softmax(-1)
+    return (weights * distance).sum(-1)
+
+
+def attention_distance(
+    q: Tensor,
+    k: Tensor,
+    *,
+    mask: Tensor | Support | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> Tensor:
+    """Mean attention distance of each query: ``E|i - j|`` under its attention distribution.
+
+    Query ``i`` puts weight ``p_j`` on key ``j`` of its support; the result is
+    ``sum_j p_j |i - j|`` in positions (the ViT paper's "attention distance":
+    small for local heads, large for global ones). It grows with sequence
+    length, so compare heads at one length. Self-attention only: query ``i``
+    and key ``i`` are the same token.
+
+    Computed exactly over query blocks of at most ``memory_budget`` bytes of
+    scores, skipping key ranges the structure hides (O(B H N D) memory);
+    blocks with logits above 64 in magnitude are scored in float64, where
+    float32 would lose the weights' digits.
+
+    Args:
+        q: (batch, heads, seq, head_dim) queries.
+        k: (batch, kv_heads, seq, head_dim) keys, as many positions as ``q``.
+        mask, is_causal, scale, memory_budget: as in :func:`entropy_from_qk`.
+
+    Returns:
+        (batch, heads, seq) mean distance in positions, float32 (float64 for
+        float64 input); NaN where a query has no visible key.
+
+    Raises:
+        TypeError, ValueError: as :func:`entropy_from_qk`; ``q`` and ``k``
+            with different sequence lengths.
+
+    Example:
+        >>> q = torch.zeros(1, 1, 4, 2)  # equal logits: uniform over the visible keys
+        >>> attention_distance(q, torch.randn(1, 1, 4, 2), is_causal=True)  # i / 2
+        tensor([[[0.0000, 0.5000, 1.0000, 1.5000]]])
+        >>> attention_distance(q, torch.randn(1, 1, 4, 2))  # uniform over all 4 keys
+        tensor([[[1.5000, 1.0000, 1.0000, 1.5000]]])
+    """
+    _check_qk_values(q, k, mask, scale)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"Expected `q` and `k` with one sequence length (self-attention), got {q.shape[2]} queries "
+            f"and {k.shape[2]} keys."
+        )
+    support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, "chunked", memory_budget)
+    return _query_blocks(q, k, support, scale, memory_budget, _block_distance)
