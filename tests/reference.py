@@ -33,10 +33,12 @@ __all__ = [
     "MaskSpec",
     "attention_entropy",
     "dense_support",
+    "distance_from_qk",
     "entropy_from_qk",
     "entropy_from_scores",
     "is_sample",
     "make_spec",
+    "max_logit_from_qk",
     "normalize",
     "num_valid",
     "query_is_real",
@@ -192,6 +194,46 @@ def entropy_from_qk(
     # Hidden keys may carry -inf bias; they are dropped by the support before use.
     scores = torch.where(support.expand(scores.shape), scores, torch.zeros((), dtype=torch.float64))
     return entropy_from_scores(scores, support)
+
+
+def _per_row_indexed(values: Tensor, support: Tensor, row_fn) -> Tensor:
+    """Like ``_per_row``, but ``row_fn(i, [(j, value), ...])`` also sees the query and key positions."""
+    batch, heads, num_q, num_k = values.shape
+    support = support.expand(values.shape)
+    cells, visible = values.double().tolist(), support.tolist()
+    out = [
+        [
+            [row_fn(i, [(j, cells[b][h][i][j]) for j in range(num_k) if visible[b][h][i][j]]) for i in range(num_q)]
+            for h in range(heads)
+        ]
+        for b in range(batch)
+    ]
+    return torch.tensor(out, dtype=torch.float64).reshape(batch, heads, num_q)
+
+
+def max_logit_from_qk(
+    q: Tensor, k: Tensor, support: Tensor, scale: float | None = None, bias: Tensor | None = None
+) -> Tensor:
+    """(B, H, Nq) float64: the largest logit over each query's visible keys; NaN when none is visible."""
+    scores = scores_from_qk(q, k, scale, bias)
+    return _per_row_indexed(scores, support, lambda i, row: max(s for _, s in row) if row else math.nan)
+
+
+def _mean_distance(i: int, row: list[tuple[int, float]]) -> float:
+    if not row:
+        return math.nan
+    top = max(s for _, s in row)
+    weights = [(j, math.exp(s - top)) for j, s in row]
+    total = math.fsum(w for _, w in weights)
+    return math.fsum(w / total * abs(i - j) for j, w in weights)
+
+
+def distance_from_qk(
+    q: Tensor, k: Tensor, support: Tensor, scale: float | None = None, bias: Tensor | None = None
+) -> Tensor:
+    """(B, H, N) float64: E|i - j| under softmax(scale q k^T + bias) over the support; NaN when empty."""
+    scores = scores_from_qk(q, k, scale, bias)
+    return _per_row_indexed(scores, support, _mean_distance)
 
 
 def normalize(entropy: Tensor, counts: Tensor) -> Tensor:

@@ -46,6 +46,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 
 from attn_monitor import (
+    AttentionCall,
     AttentionCapture,
     AttentionEntropyMonitor,
     AttentionMass,
@@ -1031,3 +1032,59 @@ def test_training_step_recording_does_not_leak_into_validation_masses(tmp_path: 
     logged = logger.values_of(name)
     assert len(logged) == 1
     assert abs(logged[0] - want[name]) <= MEAN_TOL, (logged[0], want[name])
+
+
+# =========================================================================== documents the support already has
+
+#: Coarser documents than PACKED's: the mask of the model isolates halves of each row.
+HALVES = [[0] * (SEQ // 2) + [1] * (SEQ // 2)] * len(PACKED)
+
+
+def _documents_call(mask_documents: list[list[int]], batch: dict[str, Tensor], probs: bool) -> AttentionCall:
+    """A call whose support already isolates ``mask_documents`` (causal, padded); q/k or float32 probabilities."""
+    generator = torch.Generator().manual_seed(21)
+    q, k = (torch.randn(len(PACKED), HEADS, SEQ, HEAD_DIM, generator=generator) for _ in range(2))
+    support = Support(
+        SEQ, padding_mask=batch["attention_mask"], causal=True, document_ids=torch.tensor(mask_documents)
+    )
+    common = {"padding_mask": batch["attention_mask"], "document_ids": batch["document_ids"]}
+    if not probs:
+        return AttentionCall("attn", support, q=q, k=k, **common)
+    logits = (q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM)).masked_fill(~support.dense(), -math.inf)
+    return AttentionCall("attn", support, probs=logits.softmax(-1).nan_to_num(0.0), **common)
+
+
+def _consume(call: AttentionCall, **options: Any) -> MassSummary:
+    diagnostics = MassDiagnostics(**options)
+    sample = call.support.is_sample() & call.padding_mask.bool()[:, None, :]
+    diagnostics(call, sample)
+    return diagnostics.metric.compute()
+
+
+@pytest.mark.parametrize("probs", [False, True], ids=["qk", "probs"])
+@pytest.mark.parametrize("mask_documents", ["same", "coarser"])
+def test_support_with_documents_given_again_is_intersected(mask_documents: str, probs: bool) -> None:
+    """A mask that already isolates documents, and the batch's documents on top: their intersection."""
+    batch = make_batch(PACKED, seed=21)
+    documents = batch["document_ids"].tolist() if mask_documents == "same" else HALVES
+    call = _documents_call(documents, batch, probs)
+    summary = _consume(call, sink_tokens=2, eviction=[(1, 4), (0, 3)], leakage=True)
+    padding = batch["attention_mask"].tolist()
+    visible = ref_dense(len(PACKED), SEQ, SEQ, padding=padding, causal=True, documents=documents)
+    generator = torch.Generator().manual_seed(21)
+    q, k = (torch.randn(len(PACKED), HEADS, SEQ, HEAD_DIM, generator=generator) for _ in range(2))
+    reference = ref_probs(q, k, 1 / math.sqrt(HEAD_DIM), visible)
+    masses = ref_masses(reference, visible, batch, sink_tokens=2, policies=[(1, 4), (0, 3)], leakage=True)
+    assert float(masses["sink_mass"].std()) > 0.05  # spread: the check below can tell values apart
+    check_summary(summary, {f"{name}/attn": values for name, values in masses.items()})
+
+
+@pytest.mark.parametrize("probs", [False, True], ids=["qk", "probs"])
+def test_isolating_mask_leaks_exactly_zero(probs: bool) -> None:
+    """Mass on other documents is summed, not 1 - own mass: an isolating mask reads 0.0, not ~1e-8."""
+    batch = make_batch(PACKED, seed=22)
+    call = _documents_call(batch["document_ids"].tolist(), batch, probs)
+    summary = _consume(call, leakage=True)
+    index = summary.layers.index("leakage/attn")
+    assert summary.count[index].sum() > 0
+    assert float(summary.stats("sum")[index].abs().max()) == 0.0

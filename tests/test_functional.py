@@ -10,7 +10,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attn_monitor.functional import attention_entropy, entropy_from_logits, entropy_from_qk, normalize_entropy
+from attn_monitor.functional import (
+    attention_distance,
+    attention_entropy,
+    attention_lse,
+    attention_max_logit,
+    entropy_from_logits,
+    entropy_from_qk,
+    histogram_quantile,
+    normalize_entropy,
+    restrict_to_support,
+)
 from attn_monitor.masks import Support
 from tests import reference as ref
 
@@ -715,3 +725,272 @@ def test_entropy_from_qk_key_padding_mask_broadcasts(method: str) -> None:
     dense = padding[:, None, None, :].expand(2, 4, 5, 6)
     want = ref.entropy_from_qk(Q, K, dense)
     assert_entropy_close(entropy_from_qk(Q, K, mask=padding[:, None, None, :], method=method), want)
+
+
+# --------------------------------------------------------------------------- non-finite input
+
+QK_FUNCTIONS = {
+    "entropy_from_qk": entropy_from_qk,
+    "attention_lse": attention_lse,
+    "attention_max_logit": attention_max_logit,
+    "attention_distance": attention_distance,
+}
+QS = torch.randn(2, 4, 6, 8, generator=generator("finite-q"))
+KS = torch.randn(2, 2, 6, 8, generator=generator("finite-k"))
+NONFINITE_CASES = {
+    "q-nan": (QS.index_put((torch.tensor(1), torch.tensor(2)), torch.tensor(math.nan)), KS, {}, "`q`"),
+    "q-inf": (QS.index_put((torch.tensor(0),), torch.tensor(-math.inf)), KS, {}, "`q`"),
+    "k-inf": (QS, KS.index_put((torch.tensor(0), torch.tensor(1)), torch.tensor(math.inf)), {}, "`k`"),
+    "k-nan": (QS, KS.index_put((torch.tensor(1),), torch.tensor(math.nan)), {}, "`k`"),
+    "scale-nan": (QS, KS, {"scale": math.nan}, "`scale`"),
+    "scale-inf": (QS, KS, {"scale": math.inf}, "`scale`"),
+    "scale-minus-inf": (QS, KS, {"scale": -math.inf}, "`scale`"),
+    "mask-plus-inf": (QS, KS, {"mask": torch.zeros(6, 6).index_fill(1, torch.tensor(3), math.inf)}, "`mask`"),
+    "mask-nan": (QS, KS, {"mask": torch.zeros(1, 1, 1, 6).index_fill(-1, torch.tensor(0), math.nan)}, "`mask`"),
+    "support-bias-plus-inf": (
+        QS,
+        KS,
+        {"mask": Support(6, mask=torch.zeros(6, 6).index_fill(0, torch.tensor(5), math.inf))},
+        "`mask`",
+    ),
+}
+
+
+#: Each function with each of its paths.
+FUNCTION_PATHS = [(name, {"method": method}) for name in ("entropy_from_qk", "attention_lse") for method in METHODS] + [
+    ("attention_max_logit", {}),
+    ("attention_distance", {}),
+]
+
+
+@pytest.mark.parametrize("case", list(NONFINITE_CASES))
+@pytest.mark.parametrize(("function", "path"), FUNCTION_PATHS, ids=[f"{f}-{p}" for f, p in FUNCTION_PATHS])
+def test_non_finite_input_raises_naming_the_argument(function: str, path: dict, case: str) -> None:
+    """Each of these gave NaN for some queries; now a ValueError names the argument (every path)."""
+    q, k, kwargs, name = NONFINITE_CASES[case]
+    with pytest.raises(ValueError, match=name):
+        QK_FUNCTIONS[function](q, k, **kwargs, **path)
+
+
+@pytest.mark.parametrize("scale", [True, "0.5", torch.tensor(0.5)], ids=["bool", "str", "tensor"])
+def test_scale_of_the_wrong_type_raises(scale: object) -> None:
+    with pytest.raises(TypeError, match="`scale`"):
+        entropy_from_qk(QS, KS, scale=scale)  # type: ignore[arg-type]
+
+
+def test_minus_inf_in_an_additive_mask_still_hides_keys() -> None:
+    mask = torch.zeros(6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), -math.inf)
+    want = ref.entropy_from_qk(QS, KS, torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 4, 6, 6))
+    assert_entropy_close(entropy_from_qk(QS, KS, mask=mask), want)
+
+
+# --------------------------------------------------------------------------- restrict_to_support
+
+
+def reference_weights(attn: torch.Tensor, support: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 weights renormalised over the support, row by row, and rows with no mass on a non-empty support."""
+    attn64, support = attn.double(), support.expand(attn.shape)
+    weights = torch.zeros_like(attn64)
+    no_mass = torch.zeros(attn.shape[:-1], dtype=torch.bool)
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in attn.shape[:-1])).tolist():
+        row, visible = attn64[tuple(index)], support[tuple(index)]
+        total = math.fsum(float(w) for w, v in zip(row, visible, strict=True) if v)
+        if total > 0:
+            weights[tuple(index)] = torch.where(visible, row / total, 0.0)
+        no_mass[tuple(index)] = total == 0 and bool(visible.any())
+    return weights, no_mass
+
+
+@pytest.mark.parametrize("family", ["none", "causal_pad_left", "documents", "explicit", "fully_masked"])
+def test_restrict_to_support_matches_reference(family: str) -> None:
+    spec = spec_for(family, "b2h3n7")
+    dense = ref.dense_support(spec)
+    attn = random_attn(dense, generator("restrict", family)).float()
+    attn[0, 1, 2] = torch.where(dense[0, 1, 2], 0.0, attn[0, 1, 2])  # one query without mass on its support
+    weights, no_mass = restrict_to_support(attn, dense)
+    want_weights, want_no_mass = reference_weights(attn, dense)
+    assert weights.dtype == torch.float32 and no_mass.shape == (2, 3, 7)
+    torch.testing.assert_close(weights.double(), want_weights, atol=1e-6, rtol=0)
+    assert torch.equal(no_mass, want_no_mass)
+    assert bool(want_no_mass[0, 1, 2]) == bool(dense[0, 1, 2].any())
+
+
+def test_attention_entropy_no_mass_nan_leaves_the_other_queries_exact() -> None:
+    spec = spec_for("causal_pad_right", "b2h3n7")
+    dense = ref.dense_support(spec)
+    attn = random_attn(dense, generator("no-mass")).float()
+    attn[1, 0, 3] = torch.where(dense[1, 0, 3], 0.0, attn[1, 0, 3])
+    with pytest.raises(ValueError, match="zero mass"):
+        attention_entropy(attn, dense)
+    got = attention_entropy(attn, dense, no_mass="nan")
+    refilled = attn.clone()
+    refilled[1, 0, 3] = 1.0
+    want = ref.attention_entropy(refilled, dense)
+    want[1, 0, 3] = math.nan
+    assert_entropy_close(got, want)
+    with pytest.raises(ValueError, match="`no_mass`"):
+        attention_entropy(attn, dense, no_mass="zero")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- max logit and distance
+
+SQUARE_CASES = [case for case in CASES if SHAPES[case.values[1]][2] == SHAPES[case.values[1]][3]]
+
+
+def assert_statistic_close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float = 0.0) -> None:
+    """NaN in the same places; finite values within ``atol + rtol * |want|``."""
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert torch.equal(got.isnan(), want.isnan()), (got, want)
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol, equal_nan=True)
+
+
+@pytest.mark.parametrize("form", ["support", "bool", "additive"])
+@pytest.mark.parametrize(("family", "shape"), CASES)
+def test_max_logit_matches_reference(family: str, shape: str, form: str) -> None:
+    spec = spec_for(family, shape)
+    dense = ref.dense_support(spec)
+    q, k = random_qk(shape, generator("max-logit", family, shape))
+    got = attention_max_logit(q, k, **qk_mask_arguments(form, spec, dense))  # type: ignore[arg-type]
+    assert_statistic_close(got, ref.max_logit_from_qk(q, k, dense), rtol=1e-5, atol=1e-6)
+
+
+DISTANCE_CASES = [
+    pytest.param(*case.values, form, id=f"{case.id}-{form}")
+    for case in SQUARE_CASES
+    for form in ("support", "bool", "flag")
+    if form != "flag" or case.values[0] in FLAG_FAMILIES
+]
+
+
+@pytest.mark.parametrize(("family", "shape", "form"), DISTANCE_CASES)
+def test_distance_matches_reference(family: str, shape: str, form: str) -> None:
+    spec = spec_for(family, shape)
+    dense = ref.dense_support(spec)
+    q, k = random_qk(shape, generator("distance", family, shape))
+    got = attention_distance(q, k, **qk_mask_arguments(form, spec, dense))  # type: ignore[arg-type]
+    assert_statistic_close(got, ref.distance_from_qk(q, k, dense), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("family", ["causal_pad_left", "documents_causal", "window_pad_causal", "explicit"])
+def test_max_logit_and_distance_grouped_query_attention(family: str, kv_heads: int) -> None:
+    spec = spec_for(family, "b2h3n7", heads=4)
+    dense = ref.dense_support(spec)
+    q, k = random_qk("b2h3n7", generator("gqa-stats", family, kv_heads), kv_heads=kv_heads, heads=4)
+    support = to_support(spec)
+    assert_statistic_close(attention_max_logit(q, k, mask=support), ref.max_logit_from_qk(q, k, dense), 1e-5, 1e-6)
+    assert_statistic_close(attention_distance(q, k, mask=support), ref.distance_from_qk(q, k, dense), 0, 1e-5)
+
+
+@pytest.mark.parametrize("memory_budget", [1, 300, 10**9])
+@pytest.mark.parametrize("family", ["causal", "causal_pad_left", "window_pad_causal", "window_documents", "explicit"])
+def test_max_logit_and_distance_in_query_blocks(family: str, memory_budget: int) -> None:
+    spec = ref.make_spec(family, 2, 2, 13, 13, seed=zlib.crc32(family.encode()))
+    dense = ref.dense_support(spec)
+    gen = generator("blocks", family)
+    q, k = torch.randn(2, 2, 13, 4, generator=gen), torch.randn(2, 2, 13, 4, generator=gen)
+    kwargs = {"mask": to_support(spec), "memory_budget": memory_budget, "scale": 0.7}
+    got = attention_max_logit(q, k, **kwargs)  # type: ignore[arg-type]
+    assert_statistic_close(got, ref.max_logit_from_qk(q, k, dense, scale=0.7), 1e-5, 1e-6)
+    got = attention_distance(q, k, **kwargs)  # type: ignore[arg-type]
+    assert_statistic_close(got, ref.distance_from_qk(q, k, dense, scale=0.7), 0, 1e-5)
+
+
+def test_max_logit_and_distance_with_an_additive_bias() -> None:
+    """An ALiBi-like float mask with -inf padding: the bias is part of every logit."""
+    spec = spec_for("causal_pad_right", "b2h3n7")
+    dense = ref.dense_support(spec)
+    q, k = random_qk("b2h3n7", generator("bias-stats"))
+    offsets = torch.arange(7)[None, :] - torch.arange(7)[:, None]
+    bias = torch.tensor([0.5, 0.25, 0.125])[:, None, None] * offsets.clamp(max=0).float()
+    mask = torch.where(dense, bias, -math.inf)
+    want = ref.max_logit_from_qk(q, k, dense, bias=torch.where(dense, bias, 0.0))
+    assert_statistic_close(attention_max_logit(q, k, mask=mask), want, 1e-5, 1e-6)
+    want = ref.distance_from_qk(q, k, dense, bias=torch.where(dense, bias, 0.0))
+    assert_statistic_close(attention_distance(q, k, mask=mask), want, 0, 1e-5)
+
+
+def large_logit_qk(kind: str, magnitude: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k (float32) whose logits reach ``magnitude``: spread-out (shared key direction) or peaked."""
+    gen = generator("large-stats", kind, magnitude)
+    q, k = torch.randn(2, 2, 24, 8, generator=gen), torch.randn(2, 1, 24, 8, generator=gen)
+    if kind == "shared":
+        # Every key shares one large component: logits ~ magnitude, their differences O(1) (spread weights).
+        q[..., 0] = math.sqrt(magnitude * math.sqrt(8))
+        k[..., 0] = math.sqrt(magnitude * math.sqrt(8))
+    else:
+        q = q * math.sqrt(magnitude)
+        k = k * math.sqrt(magnitude)
+    return q, k
+
+
+@pytest.mark.parametrize("family", ["causal_pad_left", "documents_causal", "none"])
+@pytest.mark.parametrize("magnitude", [1e2, 1e3, 1e4])
+@pytest.mark.parametrize("kind", ["shared", "peaked"])
+def test_max_logit_and_distance_at_large_logits(kind: str, magnitude: float, family: str) -> None:
+    q, k = large_logit_qk(kind, magnitude)
+    spec = ref.make_spec(family, 2, 2, 24, 24, seed=3)
+    dense = ref.dense_support(spec)
+    want_max = ref.max_logit_from_qk(q, k, dense)
+    assert float(want_max.nan_to_num().abs().max()) > 0.5 * magnitude
+    assert_statistic_close(attention_max_logit(q, k, mask=to_support(spec)), want_max, rtol=1e-4)
+    want = ref.distance_from_qk(q, k, dense)
+    if kind == "shared":
+        assert float(want.nan_to_num().max()) > 2.0  # spread: the logits' digits decide the weights
+    assert_statistic_close(attention_distance(q, k, mask=to_support(spec)), want, rtol=0, atol=1e-3)
+
+
+def test_distance_known_answers() -> None:
+    q = torch.zeros(1, 1, 5, 4)  # equal logits: uniform over the visible keys
+    k = torch.randn(1, 1, 5, 4, generator=generator("known"))
+    torch.testing.assert_close(attention_distance(q, k, is_causal=True), torch.arange(5.0)[None, None] / 2)
+    window = Support(5, causal=True, window=2)
+    torch.testing.assert_close(attention_distance(q, k, mask=window), torch.tensor([[[0.0, 0.5, 0.5, 0.5, 0.5]]]))
+    one_key = torch.eye(5, dtype=torch.bool).roll(2, dims=1)  # query i sees only key i + 2 (mod 5)
+    torch.testing.assert_close(
+        attention_distance(torch.randn(1, 1, 5, 4), k, mask=one_key), torch.tensor([[[2.0, 2.0, 2.0, 3.0, 3.0]]])
+    )
+
+
+def test_distance_needs_self_attention() -> None:
+    with pytest.raises(ValueError, match="sequence length"):
+        attention_distance(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 5, 8))
+
+
+def test_max_logit_of_one_visible_key_is_its_logit() -> None:
+    q, k = torch.randn(2, 2, 5, 4, generator=generator("one")), torch.randn(2, 2, 5, 4, generator=generator("one-k"))
+    mask = torch.eye(5, dtype=torch.bool)
+    want = (q * k).sum(-1) * 0.5
+    torch.testing.assert_close(attention_max_logit(q, k, mask=mask), want)
+
+
+class _LargestAllocation(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest tensor any operation produced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for value in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(value, torch.Tensor):
+                self.largest = max(self.largest, value.numel())
+        return out
+
+
+@pytest.mark.parametrize("function", [attention_max_logit, attention_distance])
+@pytest.mark.parametrize("mask", ["causal", "padding", "window"])
+def test_no_full_score_matrix(function, mask: str) -> None:  # type: ignore[no-untyped-def]
+    """Query blocks under the memory budget: no tensor near B x H x N x N is ever made."""
+    batch, heads, length, dim = 2, 2, 256, 8
+    q, k = torch.randn(batch, heads, length, dim), torch.randn(batch, heads, length, dim)
+    padding = torch.arange(length)[None, :] < torch.tensor([[length], [100]])
+    support = {
+        "causal": Support(length, causal=True),
+        "padding": Support(length, padding_mask=padding),
+        "window": Support(length, causal=True, window=16),
+    }[mask]
+    with _LargestAllocation() as recorder:
+        function(q, k, mask=support, memory_budget=32 * 2**10)
+    assert recorder.largest < batch * heads * length * length // 8
