@@ -994,3 +994,47 @@ def test_no_full_score_matrix(function, mask: str) -> None:  # type: ignore[no-u
     with _LargestAllocation() as recorder:
         function(q, k, mask=support, memory_budget=32 * 2**10)
     assert recorder.largest < batch * heads * length * length // 8
+
+
+# --------------------------------------------------------------------------- histogram_quantile
+
+
+def piecewise_uniform_quantile(counts: list[float], q: float, low: float, high: float) -> float:
+    """Exact quantile of the density that is uniform inside each bin (what binned values stand for)."""
+    width = (high - low) / len(counts)
+    target, seen = q * math.fsum(counts), 0.0
+    for index, count in enumerate(counts):
+        if count > 0 and seen + count >= target:
+            return low + (index + (target - seen) / count) * width
+        seen += count
+    raise AssertionError("q beyond the total")
+
+
+@pytest.mark.parametrize(
+    ("counts", "low", "high"),
+    [
+        pytest.param([5.0] * 10, 0.0, 1.0, id="uniform"),
+        pytest.param([0.0, 4.0, 0.0, 0.0], 0.0, 1.0, id="one-bin"),
+        pytest.param([1.0, 3.0], 0.0, 2.0, id="two-bins"),
+        pytest.param([0.0, 1.0, 2.0, 3.0, 4.0, 0.0, 0.0], -1.0, 2.0, id="triangle-shifted"),
+        pytest.param([7.0, 0.0, 0.0, 1.0, 0.0, 2.0], 0.0, math.log(64.0), id="gaps-nats"),
+    ],
+)
+def test_histogram_quantile_interpolates_inside_the_bin(counts: list[float], low: float, high: float) -> None:
+    """Known distributions: the quantile of the piecewise-uniform density, not a bin edge."""
+    levels = [0.0, 0.05, 0.13, 0.25, 0.37, 0.5, 0.61, 0.75, 0.9, 0.99, 1.0]
+    got = [float(histogram_quantile(torch.tensor(counts), q, low=low, high=high)) for q in levels]
+    want = [piecewise_uniform_quantile(counts, q, low, high) for q in levels]
+    assert got == pytest.approx(want, abs=1e-12)
+
+
+def test_histogram_quantile_of_uniform_values_is_the_level() -> None:
+    counts = torch.full((3, 100), 7.0)  # batched: one quantile per row
+    for q in (0.013, 0.25, 0.5, 0.777, 0.999):
+        torch.testing.assert_close(histogram_quantile(counts, q), torch.full((3,), q, dtype=torch.float64))
+
+
+def test_histogram_quantile_inside_one_bin() -> None:
+    counts = torch.tensor([0.0, 4.0, 0.0, 0.0])  # all mass in [0.25, 0.5)
+    got = [float(histogram_quantile(counts, q)) for q in (0.25, 0.5, 0.75, 1.0)]
+    assert got == pytest.approx([0.3125, 0.375, 0.4375, 0.5], abs=1e-12)
