@@ -5,8 +5,10 @@ from attn_monitor.capture import AttentionCall, AttentionCapture, evaluate_atten
 from attn_monitor.compare import Comparison, compare, load_summary, save_summary
 from attn_monitor.diagnostics import MassDiagnostics
 from attn_monitor.functional import (
+    attention_distance,
     attention_entropy,
     attention_lse,
+    attention_max_logit,
     entropy_from_logits,
     entropy_from_qk,
     histogram_quantile,
@@ -27,8 +29,10 @@ __all__ = [
     "MassDiagnostics",
     "MassSummary",
     "Support",
+    "attention_distance",
     "attention_entropy",
     "attention_lse",
+    "attention_max_logit",
     "compare",
     "entropy_from_logits",
     "entropy_from_qk",

@@ -15,6 +15,7 @@ Rules shared by every function:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
@@ -87,10 +88,15 @@ def normalize_entropy(entropy: Tensor, num_valid: Tensor) -> Tensor:
         Normalised entropy with ``entropy``'s broadcast shape, float32 or
         float64; NaN where ``num_valid <= 1`` (never divides by ``ln 1``).
 
+    Raises:
+        TypeError: arguments that are not tensors, or ``entropy`` not floating point.
+        ValueError: shapes that do not broadcast together.
+
     Example:
         >>> normalize_entropy(torch.tensor([math.log(4.0), 0.0, 0.0]), torch.tensor([4, 1, 0]))
         tensor([1., nan, nan])
     """
+    _check_pair("entropy", entropy, "num_valid", num_valid)
     entropy = entropy.to(_compute_dtype(entropy.dtype))
     count = num_valid.to(entropy.dtype)
     has_choice = count > 1
@@ -408,10 +414,17 @@ def mass_fraction(lse_part: Tensor, lse_all: Tensor) -> Tensor:
     Returns:
         The fraction per query; NaN where the support is empty.
 
+    Raises:
+        TypeError: arguments that are not floating point tensors.
+        ValueError: shapes that do not broadcast together.
+
     Example:
         >>> mass_fraction(torch.tensor([math.log(1.0), -math.inf]), torch.tensor([math.log(4.0), 0.0]))
         tensor([0.2500, 0.0000])
     """
+    _check_pair("lse_part", lse_part, "lse_all", lse_all)
+    if not lse_all.dtype.is_floating_point:
+        raise TypeError(f"Expected `lse_all` with a floating point dtype, got {lse_all.dtype}.")
     fraction = (lse_part - lse_all).exp().clamp(0.0, 1.0)
     fraction = torch.where(lse_part == -math.inf, torch.zeros_like(fraction), fraction)
     return torch.where(lse_all == -math.inf, torch.full_like(fraction, math.nan), fraction)
@@ -602,6 +615,27 @@ def restrict_to_support(attn: Tensor, mask: Tensor | None = None) -> tuple[Tenso
 _EXACT_SCORES_ABOVE = 64.0
 
 
+def _block_scores(
+    q: Tensor,
+    k: Tensor,
+    support: Support,
+    scale: float,
+    rows: tuple[int, int],
+    keys: tuple[int, int],
+    dtype: torch.dtype,
+) -> Tensor:
+    """``scale * q k^T`` (+ bias, hidden keys ``-inf``) of one block, in ``dtype``; GQA keys broadcast, not copied."""
+    (q_start, q_stop), (k_start, k_stop) = rows, keys
+    batch, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    queries = (q[:, :, q_start:q_stop].to(dtype) * scale).reshape(batch, kv_heads, heads // kv_heads, -1, dim)
+    scores = (queries @ k[:, :, None, k_start:k_stop].to(dtype).transpose(-1, -2)).flatten(1, 2)
+    if support.bias is not None:
+        scores = scores + support.bias[..., q_start:q_stop, k_start:k_stop].to(dtype)
+    visible = support.block(q_start, q_stop, k_start, k_stop)
+    return scores if visible is None else scores.masked_fill(~visible, -math.inf)
+
+
 def _query_blocks(
     q: Tensor,
     k: Tensor,
@@ -612,16 +646,13 @@ def _query_blocks(
 ) -> Tensor:
     """``reduce(scores, q_start, k_start, rescore)`` of each query block, NaN where no key is visible.
 
-    Scores are ``scale * q k^T`` (+ bias, hidden keys ``-inf``) over the key
-    range the structure leaves visible to the block; grouped key heads are
-    broadcast, never copied. ``rescore(dtype)`` computes the block's scores
-    from ``q`` and ``k`` in ``dtype``.
+    Scores are those of :func:`_block_scores` over the key range the
+    structure leaves visible to the block; ``rescore(dtype)`` computes them
+    again in ``dtype``.
     """
-    batch, heads, num_q, dim = q.shape
-    kv_heads, num_k = k.shape[1], k.shape[2]
-    group = heads // kv_heads
+    batch, heads, num_q, _ = q.shape
     # scores, weights and one more block-sized temporary are alive at once.
-    bytes_per_row = 3 * batch * heads * num_k * q.element_size()
+    bytes_per_row = 3 * batch * heads * k.shape[2] * q.element_size()
     block = max(1, min(num_q, memory_budget // max(1, bytes_per_row)))
     out = q.new_full((batch, heads, num_q), math.nan)
     for q_start in range(0, num_q, block):
@@ -629,16 +660,7 @@ def _query_blocks(
         k_start, k_stop = support.key_range(q_start, q_stop)
         if k_stop == k_start:
             continue
-
-        def rescore(dtype: torch.dtype, q_start: int = q_start, q_stop: int = q_stop) -> Tensor:
-            rows = q[:, :, q_start:q_stop].to(dtype) * scale
-            keys = k[:, :, None, k_start:k_stop].to(dtype)
-            scores = (rows.reshape(batch, kv_heads, group, q_stop - q_start, dim) @ keys.transpose(-1, -2)).flatten(1, 2)
-            if support.bias is not None:
-                scores = scores + support.bias[..., q_start:q_stop, k_start:k_stop].to(scores.dtype)
-            visible = support.block(q_start, q_stop, k_start, k_stop)
-            return scores if visible is None else scores.masked_fill(~visible, -math.inf)
-
+        rescore = functools.partial(_block_scores, q, k, support, scale, (q_start, q_stop), (k_start, k_stop))
         out[:, :, q_start:q_stop] = reduce(rescore(q.dtype), q_start, k_start, rescore)
     return out.masked_fill(support.num_valid() == 0, math.nan)
 
@@ -750,3 +772,18 @@ def attention_distance(
         )
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, "chunked", memory_budget)
     return _query_blocks(q, k, support, scale, memory_budget, _block_distance)
+
+
+def _check_pair(name: str, value: object, other_name: str, other: object) -> None:
+    """Two tensors that broadcast together, the first floating point."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"Expected `{name}` to be a torch.Tensor, got {type(value).__name__}.")
+    if not isinstance(other, Tensor):
+        raise TypeError(f"Expected `{other_name}` to be a torch.Tensor, got {type(other).__name__}.")
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"Expected `{name}` with a floating point dtype, got {value.dtype}.")
+    if not all(a == b or 1 in (a, b) for a, b in zip(reversed(value.shape), reversed(other.shape), strict=False)):
+        raise ValueError(
+            f"Expected `{name}` and `{other_name}` to broadcast together, "
+            f"got shapes {tuple(value.shape)} and {tuple(other.shape)}."
+        )

@@ -1044,9 +1044,7 @@ def _documents_call(mask_documents: list[list[int]], batch: dict[str, Tensor], p
     """A call whose support already isolates ``mask_documents`` (causal, padded); q/k or float32 probabilities."""
     generator = torch.Generator().manual_seed(21)
     q, k = (torch.randn(len(PACKED), HEADS, SEQ, HEAD_DIM, generator=generator) for _ in range(2))
-    support = Support(
-        SEQ, padding_mask=batch["attention_mask"], causal=True, document_ids=torch.tensor(mask_documents)
-    )
+    support = Support(SEQ, padding_mask=batch["attention_mask"], causal=True, document_ids=torch.tensor(mask_documents))
     common = {"padding_mask": batch["attention_mask"], "document_ids": batch["document_ids"]}
     if not probs:
         return AttentionCall("attn", support, q=q, k=k, **common)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attn_monitor import functional
 from attn_monitor.functional import (
     attention_distance,
     attention_entropy,
@@ -1038,3 +1040,54 @@ def test_histogram_quantile_inside_one_bin() -> None:
     counts = torch.tensor([0.0, 4.0, 0.0, 0.0])  # all mass in [0.25, 0.5)
     got = [float(histogram_quantile(counts, q)) for q in (0.25, 0.5, 0.75, 1.0)]
     assert got == pytest.approx([0.3125, 0.375, 0.4375, 0.5], abs=1e-12)
+
+
+# --------------------------------------------------------------------------- the bad-input table
+
+BAD_INPUT_TABLE = Path(__file__).resolve().parents[1] / "docs" / "bad_input.md"
+
+
+def bad_input_rows() -> list[tuple[str, str, str, str, str]]:
+    """(function, bad input, call, error, message start) of each row of docs/bad_input.md."""
+    rows = []
+    for line in BAD_INPUT_TABLE.read_text().splitlines():
+        if line.startswith("| `"):
+            cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+            assert len(cells) == 5, line
+            function, what, call, error, message = cells
+            rows.append((function.strip("`"), what, call.strip("`"), error.strip("`"), message))
+    return rows
+
+
+def poke(tensor: torch.Tensor, value: float) -> torch.Tensor:
+    """A copy of ``tensor`` with one entry set to ``value``."""
+    tensor = tensor.clone()
+    tensor.view(-1)[tensor.numel() // 2] = value
+    return tensor
+
+
+@pytest.mark.parametrize(("function", "what", "call", "error", "message"), bad_input_rows(), ids=lambda v: v)
+def test_bad_input_table(function: str, what: str, call: str, error: str, message: str) -> None:
+    """Each row of the table raises the error it shows, with a message starting as shown."""
+    gen = generator("bad-input-table")
+    namespace = {name: getattr(functional, name) for name in functional.__all__}
+    namespace.update(
+        torch=torch,
+        Support=Support,
+        nan=math.nan,
+        inf=math.inf,
+        poke=poke,
+        q=torch.randn(2, 4, 6, 8, generator=gen),
+        k=torch.randn(2, 2, 6, 8, generator=gen),
+        attn=torch.full((2, 3, 4, 5), 0.2),
+        scores=torch.zeros(2, 3, 4, 5),
+    )
+    assert call.startswith(f"{function}(")
+    with pytest.raises(Exception) as raised:
+        eval(call, namespace)
+    assert type(raised.value).__name__ == error
+    assert str(raised.value).startswith(message), (str(raised.value), message)
+
+
+def test_bad_input_table_covers_the_functional_api() -> None:
+    assert {row[0] for row in bad_input_rows()} == set(functional.__all__)
