@@ -706,7 +706,32 @@ def attention_max_logit(
     """
     _check_qk_values(q, k, mask, scale)
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, "chunked", memory_budget)
-    return _query_blocks(q, k, support, scale, memory_budget, lambda scores, *_: scores.amax(-1))
+
+    def exact_max(scores: Tensor, q_start: int, k_start: int, _: object) -> Tensor:
+        return _logit_at_argmax(q, k, support, scale, scores, q_start, k_start)
+
+    return _query_blocks(q, k, support, scale, memory_budget, exact_max)
+
+
+def _logit_at_argmax(
+    q: Tensor, k: Tensor, support: Support, scale: float, scores: Tensor, q_start: int, k_start: int
+) -> Tensor:
+    """Each row's largest logit, recomputed in float64 at the key where the block's scores peak.
+
+    The float32 block finds the key; one float64 dot product per query gives
+    its logit, so a maximum near zero keeps its relative precision.
+    """
+    batch, heads, rows, _ = scores.shape
+    index = scores.argmax(-1)
+    batch_index = torch.arange(batch, device=q.device)[:, None, None]
+    key_heads = (torch.arange(heads, device=q.device) // (heads // k.shape[1]))[None, :, None]
+    keys = k[batch_index, key_heads, index + k_start].double()
+    logit = (q[:, :, q_start : q_start + rows].double() * keys).sum(-1) * scale
+    if support.bias is not None:
+        bias = support.bias[..., q_start : q_start + rows, k_start:].expand(batch, heads, rows, -1)
+        logit = logit + bias.gather(-1, index[..., None]).squeeze(-1).double()
+    # Rows with no visible key peak at -inf; the caller turns them into NaN.
+    return torch.where(scores.amax(-1) == -math.inf, -math.inf, logit)
 
 
 def _block_distance(scores: Tensor, q_start: int, k_start: int, rescore: Callable[[torch.dtype], Tensor]) -> Tensor:

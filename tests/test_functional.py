@@ -926,7 +926,7 @@ def large_logit_qk(kind: str, magnitude: float) -> tuple[torch.Tensor, torch.Ten
     return q, k
 
 
-@pytest.mark.parametrize("family", ["causal_pad_left", "documents_causal", "none"])
+@pytest.mark.parametrize("family", ["causal_pad_left", "documents_causal", "none", "one_valid"])
 @pytest.mark.parametrize("magnitude", [1e2, 1e3, 1e4])
 @pytest.mark.parametrize("kind", ["shared", "peaked"])
 def test_max_logit_and_distance_at_large_logits(kind: str, magnitude: float, family: str) -> None:
@@ -1091,3 +1091,18 @@ def test_bad_input_table(function: str, what: str, call: str, error: str, messag
 
 def test_bad_input_table_covers_the_functional_api() -> None:
     assert {row[0] for row in bad_input_rows()} == set(functional.__all__)
+
+
+def test_max_logit_near_zero_after_cancellation_keeps_relative_precision() -> None:
+    """Logits of 0.5 made of products of order 1e4: float32 sums lose them, the result must not."""
+    gen = generator("cancel")
+    q = 100.0 * torch.randn(2, 2, 16, 8, generator=gen, dtype=torch.float64)
+    k = 100.0 * torch.randn(2, 2, 16, 8, generator=gen, dtype=torch.float64)
+    # The last component of each key makes q_i . k_i / sqrt(8) = 0.5 exactly (before rounding to float32).
+    rest = (q[..., :-1] * k[..., :-1]).sum(-1)
+    k[..., -1] = (0.5 * math.sqrt(8) - rest) / q[..., -1]
+    q, k = q.float(), k.float()
+    own_key = torch.eye(16, dtype=torch.bool)
+    want = ref.max_logit_from_qk(q, k, own_key)
+    assert float(want.abs().max()) < 1.0 and float((q.double() * k.double()).abs().amax()) > 1e3
+    assert_statistic_close(attention_max_logit(q, k, mask=own_key), want, rtol=1e-4)
