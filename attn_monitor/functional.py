@@ -764,10 +764,13 @@ def attention_distance(
     length, so compare heads at one length. Self-attention only: query ``i``
     and key ``i`` are the same token.
 
-    Computed exactly over query blocks of at most ``memory_budget`` bytes of
-    scores, skipping key ranges the structure hides (O(B H N D) memory);
-    blocks with logits above 64 in magnitude are scored in float64, where
-    float32 would lose the weights' digits.
+    Causal supports without an N x N mask (causal order, key padding) take
+    one fused attention call with V = key positions (``E|i - j| = i - E[j]``)
+    when logits are bounded by 64; everything else is computed exactly over
+    query blocks of at most ``memory_budget`` bytes of scores, skipping key
+    ranges the structure hides (O(B H N D) memory either way), and blocks
+    with logits above 64 in magnitude are scored in float64, where float32
+    would lose the weights' digits.
 
     Args:
         q: (batch, heads, seq, head_dim) queries.
@@ -796,7 +799,47 @@ def attention_distance(
             f"and {k.shape[2]} keys."
         )
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, "chunked", memory_budget)
+    fused = _causal_distance(q, k, support, scale)
+    if fused is not None:
+        return fused
     return _query_blocks(q, k, support, scale, memory_budget, _block_distance)
+
+
+def _causal_distance(q: Tensor, k: Tensor, support: Support, scale: float) -> Tensor | None:
+    """``E|i - j| = i - E[j]`` from one fused attention call with V = key positions, or None.
+
+    Applies where every visible key precedes its query (causal order, key
+    padding: no N x N mask) and logits are small enough for float32 weights
+    (``|scale| |q| |k| <= 64``); only the CPU kernel is used here. Column c of
+    V holds ``j - c * spacing``: each query reads the column whose offset
+    sits just below its own position, so the subtraction loses no digits.
+    """
+    if (
+        q.device.type != "cpu"
+        or not support.causal
+        or support.window is not None
+        or support.document_ids is not None
+        or support.mask is not None
+    ):
+        return None
+    bound = abs(scale) * float(q.norm(dim=-1).amax()) * float(k.norm(dim=-1).amax())
+    if bound > _EXACT_SCORES_ABOVE:
+        return None
+    batch, heads, length, dim = q.shape
+    if k.shape[1] != heads:
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+    spacing = -(-length // dim)
+    positions = torch.arange(length, dtype=q.dtype, device=q.device)
+    offsets = torch.arange(dim, dtype=q.dtype, device=q.device) * spacing
+    # A contiguous V: the kernel misreads a broadcast (stride 0) one.
+    value = (positions[:, None] - offsets[None, :]).expand(batch, heads, length, dim).contiguous()
+    attn_mask, is_causal = support.additive_mask(q.dtype)
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, _ = kernel(q * scale, k, value, is_causal=is_causal, attn_mask=attn_mask, scale=1.0)
+    column = torch.div(positions, spacing, rounding_mode="floor").long()
+    mean_offset = out.gather(-1, column[None, None, :, None].expand(batch, heads, length, 1)).squeeze(-1)
+    distance = (positions - offsets[column] - mean_offset).clamp(min=0.0)
+    return distance.masked_fill(support.num_valid() == 0, math.nan)
 
 
 def _check_pair(name: str, value: object, other_name: str, other: object) -> None:
