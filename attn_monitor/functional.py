@@ -838,7 +838,7 @@ def _causal_distance(q: Tensor, k: Tensor, support: Support, scale: float) -> Te
     out, _ = kernel(q * scale, k, value, is_causal=is_causal, attn_mask=attn_mask, scale=1.0)
     column = torch.div(positions, spacing, rounding_mode="floor").long()
     mean_offset = out.gather(-1, column[None, None, :, None].expand(batch, heads, length, 1)).squeeze(-1)
-    distance = (positions - offsets[column] - mean_offset).clamp(min=0.0)
+    distance: Tensor = (positions - offsets[column] - mean_offset).clamp(min=0.0)
     return distance.masked_fill(support.num_valid() == 0, math.nan)
 
 
