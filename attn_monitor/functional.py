@@ -1,4 +1,6 @@
-"""Attention entropy as pure tensor math: no state, hooks or logging.
+"""Attention entropy, and the statistics that come from the same q and k, as pure tensor math.
+
+No state, hooks or logging here.
 
 For one query with attention weights ``p`` over its valid keys (its support),
 ``H(p) = -sum_i p_i ln p_i`` in nats and ``H / ln(n)`` normalised to [0, 1],
@@ -10,7 +12,12 @@ Rules shared by every function:
 * A query with no valid key gets NaN.
 * With ``normalize=True`` a query with exactly one valid key gets NaN too:
   its only distribution is [1] and ``0 / ln(1)`` is undefined.
-* Nothing else is ever NaN; bad input raises instead.
+* Nothing else is ever NaN; bad input raises instead (NaN or inf in the
+  inputs, a non-finite scale, NaN or ``+inf`` in an additive mask: see
+  docs/bad_input.md for every case).
+
+The same rules hold for :func:`attention_max_logit` (the largest logit per
+query) and :func:`attention_distance` (the mean ``|i - j|`` per query).
 """
 
 from __future__ import annotations
@@ -682,7 +689,9 @@ def attention_max_logit(
     the keys' norms, so compare it across runs of one model only.
 
     Computed over query blocks of at most ``memory_budget`` bytes of scores,
-    skipping key ranges the structure hides (O(B H N D) memory).
+    skipping key ranges the structure hides (O(B H N D) memory); the peak
+    key's logit is then recomputed in float64, so even a maximum near zero
+    keeps float32's relative precision.
 
     Args:
         q, k, mask, is_causal, scale, memory_budget: as in
