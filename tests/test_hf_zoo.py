@@ -220,6 +220,29 @@ def test_decoder_only_eager_matches_reference(family: str, side: str) -> None:
     assert_matches(summary, decoder_only_reference(family, batch))
 
 
+# --------------------------------------------------------------------------- no padding mask given
+
+
+@pytest.mark.parametrize(
+    ("family", "implementation"),
+    [("bart", "sdpa"), ("t5", "eager"), ("bloom", "eager"), ("mpt", "eager")],
+)
+def test_without_padding_mask_self_attention_counts_its_own_tokens(family: str, implementation: str) -> None:
+    """No mask from the batch: a self-attention call's real queries are the keys its own mask shows real.
+
+    Only the source is padded, so cross-attention (no mask of its own queries) counts every decoder
+    query, as the reference does. Right padding: causal padding queries still see real keys.
+    """
+    if family in DECODER_ONLY:
+        batch = decoder_only_batch(family, "right")
+        expected = decoder_only_reference(family, batch)
+    else:
+        batch = seq2seq_batch(family, "equal", "left", "source")
+        expected = seq2seq_reference(family, batch)
+    summary = evaluate_attention(model_of(family, implementation), [batch], padding_mask=lambda batch: None)
+    assert_matches(summary, expected)
+
+
 # --------------------------------------------------------------------------- what cannot be read
 
 
@@ -259,10 +282,11 @@ def test_padding_mask_of_another_sequence_warns() -> None:
     model = model_of("bloom", "eager")
     batch = decoder_only_batch("bloom", "right")
     with AttentionCapture(model) as capture, torch.no_grad():
-        with pytest.warns(UserWarning, match=r"transformer\.h\.0\.self_attention"):
+        with pytest.warns(UserWarning, match=r"padding mask for 'transformer\.h\.\d\.self_attention'") as caught:
             with capture.recording(torch.ones(BATCH, 7, dtype=torch.bool)):
                 model(**batch)
     assert capture.num_calls == models.LAYERS
+    assert len(caught) == models.LAYERS  # once per layer
 
 
 def test_recording_rejects_bad_padding_masks() -> None:
