@@ -213,7 +213,7 @@ def test_self_and_cross_attention_are_separate_layers(family: str, implementatio
 @pytest.mark.parametrize("family", DECODER_ONLY)
 def test_decoder_only_eager_matches_reference(family: str, side: str) -> None:
     model = model_of(family, "eager")
-    attention = [m for n, m in model.named_modules() if n == layer_names(family)["self"][0]][0]
+    attention = model.get_submodule(layer_names(family)["self"][0])
     assert getattr(attention, "config", None) is None  # found through the model's config
     batch = decoder_only_batch(family, side)
     summary = evaluate_attention(model, [batch])
@@ -272,19 +272,20 @@ class UnreadableModel(nn.Module):
 def test_unreadable_eager_attention_warns_and_names_the_module() -> None:
     torch.manual_seed(0)
     model = UnreadableModel()
-    with pytest.warns(UserWarning, match=r"'blocks\.0'.*UnreadableAttention.*adapters="):
-        with pytest.raises(RuntimeError, match="captured no attention"):
-            evaluate_attention(model, [torch.randn(2, 5, 8)])
+    unreadable = r"'blocks\.0'.*UnreadableAttention.*adapters="
+    with pytest.warns(UserWarning, match=unreadable), pytest.raises(RuntimeError, match="captured no attention"):
+        evaluate_attention(model, [torch.randn(2, 5, 8)])
 
 
 def test_padding_mask_of_another_sequence_warns() -> None:
     """A mask whose length is not the layer's query count is not used for it, and says so."""
     model = model_of("bloom", "eager")
     batch = decoder_only_batch("bloom", "right")
-    with AttentionCapture(model) as capture, torch.no_grad():
-        with pytest.warns(UserWarning, match=r"padding mask for 'transformer\.h\.\d\.self_attention'") as caught:
-            with capture.recording(torch.ones(BATCH, 7, dtype=torch.bool)):
-                model(**batch)
+    other = torch.ones(BATCH, 7, dtype=torch.bool)
+    warning = r"padding mask for 'transformer\.h\.\d\.self_attention'"
+    capture = AttentionCapture(model)
+    with capture, torch.no_grad(), pytest.warns(UserWarning, match=warning) as caught, capture.recording(other):
+        model(**batch)
     assert capture.num_calls == models.LAYERS
     assert len(caught) == models.LAYERS  # once per layer
 
@@ -292,9 +293,7 @@ def test_padding_mask_of_another_sequence_warns() -> None:
 def test_recording_rejects_bad_padding_masks() -> None:
     model = model_of("bloom", "eager")
     with AttentionCapture(model) as capture:
-        with pytest.raises(ValueError, match=r"padding_mask\['\*'\]"):
-            with capture.recording({"*": torch.ones(3)}):
-                pass
-        with pytest.raises(TypeError, match="layer patterns"):
-            with capture.recording({0: torch.ones(3, 4)}):  # type: ignore[dict-item]
-                pass
+        with pytest.raises(ValueError, match=r"padding_mask\['\*'\]"), capture.recording({"*": torch.ones(3)}):
+            pass
+        with pytest.raises(TypeError, match="layer patterns"), capture.recording({0: torch.ones(3, 4)}):  # type: ignore[dict-item]
+            pass
