@@ -297,3 +297,76 @@ def test_recording_rejects_bad_padding_masks() -> None:
             pass
         with pytest.raises(TypeError, match="layer patterns"), capture.recording({0: torch.ones(3, 4)}):  # type: ignore[dict-item]
             pass
+
+
+# --------------------------------------------------------------------------- nn.Transformer
+
+
+def test_torch_transformer_decoder_counts_its_own_queries() -> None:
+    """``nn.Transformer``, equal lengths: the source's mask stays out of the decoder; a mapping reaches it.
+
+    The reference reads each attention module's documented weights (``need_weights=True``, per head)
+    on the inputs a plain forward gives it.
+    """
+    torch.manual_seed(0)
+    model = nn.Transformer(
+        d_model=32, nhead=4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64, dropout=0.0
+    )
+    model.batch_first = True
+    for module in model.modules():
+        if isinstance(module, nn.MultiheadAttention):
+            module.batch_first = True
+            with torch.no_grad():
+                module.in_proj_weight[:64] *= 4.0  # sharper attention: heads differ
+    model.eval()
+    n = 10
+    source, target = padding(SOURCE_REAL, n, "right").bool(), padding(TARGET_REAL, n, "right").bool()
+    src, tgt = torch.randn(BATCH, n, 32), torch.randn(BATCH, n, 32)
+    causal = nn.Transformer.generate_square_subsequent_mask(n)
+    kwargs = {
+        "tgt_mask": causal,
+        "src_key_padding_mask": ~source,
+        "tgt_key_padding_mask": ~target,
+        "memory_key_padding_mask": ~source,
+    }
+    inputs: dict[str, tuple] = {}
+    handles = [
+        module.register_forward_pre_hook(
+            lambda m, args, kw, name=name: inputs.__setitem__(name, (args, kw)), with_kwargs=True
+        )
+        for name, module in model.named_modules()
+        if isinstance(module, nn.MultiheadAttention)
+    ]
+    model(src, tgt, **kwargs)  # gradients on: the encoder's fast path stays off, every module runs
+    for handle in handles:
+        handle.remove()
+    decoder_visible = torch.ones(n, n, dtype=torch.bool).tril() & target[:, None, None, :]
+    truth = {
+        "encoder.layers.0.self_attn": (source[:, None, None, :], source),
+        "decoder.layers.0.self_attn": (decoder_visible, target),
+        "decoder.layers.0.multihead_attn": (source[:, None, None, :], target),
+    }
+    expected = {}
+    with torch.no_grad():
+        for name, (visible, real) in truth.items():
+            args, kw = inputs[name]
+            kw = {**kw, "need_weights": True, "average_attn_weights": False}
+            weights = model.get_submodule(name)(*args, **kw)[1]
+            expected[name] = reference.head_means(weights, visible, real)
+
+    def run(masks: Tensor | dict[str, Tensor]):
+        return evaluate_attention(
+            model, [(src, tgt)], forward=lambda m, b: m(*b, **kwargs), padding_mask=lambda b: masks
+        )
+
+    assert_matches(run({"decoder.*": target, "*": source}), expected)
+    # The source's mask alone: decoder self-attention counts its own real tokens (its key padding);
+    # cross-attention, with no word on its queries, counts every one that sees a key.
+    summary = run(source)
+    cross = summary.layer_index("decoder.layers.0.multihead_attn")
+    assert summary.count[cross].tolist() == [BATCH * n] * 4
+    del expected["decoder.layers.0.multihead_attn"]
+    for name, (mean, count) in expected.items():
+        index = summary.layer_index(name)
+        assert summary.count[index].tolist() == count.tolist(), name
+        torch.testing.assert_close(summary.mean[index], mean, atol=TOL, rtol=0, msg=name)
