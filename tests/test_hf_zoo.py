@@ -31,7 +31,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from attn_monitor.capture import AttentionCapture, evaluate_attention
+from attn_monitor.capture import AttentionCapture, evaluate_attention, probabilities_at
 from tests import models, reference
 
 pytest.importorskip("transformers")
@@ -218,6 +218,17 @@ def test_decoder_only_eager_matches_reference(family: str, side: str) -> None:
     batch = decoder_only_batch(family, side)
     summary = evaluate_attention(model, [batch])
     assert_matches(summary, decoder_only_reference(family, batch))
+
+
+def test_mpt_bool_mask_polarity_given_explicitly() -> None:
+    """MPT's bool mask is True where a key is hidden: an explicit adapter says so, "auto" finds it."""
+    model = model_of("mpt", "eager")
+    batch = decoder_only_batch("mpt", "left")
+    expected = decoder_only_reference("mpt", batch)
+    hidden = {"transformer.blocks.*.attn": probabilities_at(1, bool_mask="hidden")}
+    assert_matches(evaluate_attention(model, [batch], adapters=hidden), expected)
+    with pytest.raises(ValueError, match="bool_mask"):
+        probabilities_at(1, bool_mask="true_is_hidden")
 
 
 # --------------------------------------------------------------------------- no padding mask given
