@@ -16,19 +16,33 @@ and feeds it to its consumers: by default an
    same mode sees ``F.multi_head_attention_forward`` and recomputes q and k
    from its input projection. The module's own call is not changed.
 3. **Probability outputs**: modules whose output holds the attention
-   probabilities (Hugging Face ``eager`` attention returns them at
-   ``output[1]``) are read by a forward hook through an adapter;
+   probabilities are read by a forward hook through an adapter;
    :func:`probabilities_at` builds one, and any callable with the
-   :data:`Adapter` signature is accepted for other modules.
+   :data:`Adapter` signature is accepted for other modules. Hugging Face
+   ``eager`` attention is found automatically (see
+   :class:`AttentionCapture`).
 
 Entropy of q/k calls is computed with the fused logsumexp identity
 (:func:`~attn_monitor.functional.entropy_from_qk`), in float32, right after
 each call; nothing is kept past the update. Under ``torch.compile`` the
 mode is traced and calls are processed when recording stops.
 
-Which queries are samples comes from the batch's padding mask
-(``recording(padding_mask=...)``); which keys are visible comes from the mask
-the model actually used.
+Which keys are visible comes from the mask the model actually used. Which
+queries are samples is decided per call, from the sequence its queries come
+from, never by matching lengths:
+
+* A call is **self-attention** when its keys are its query tokens: the
+  attention module was given no keys from another sequence (Hugging Face's
+  ``key_value_states`` / ``encoder_hidden_states`` arguments, or a module
+  with ``is_cross_attention = True``; for ``nn.MultiheadAttention``, the
+  same tensor as query and key) and as many keys as queries. Anything else
+  is **cross-attention** (also a cached decoding step whose keys run past
+  its queries).
+* The recording's padding mask, when one applies to the call's layer (see
+  :meth:`AttentionCapture.recording`), marks the real queries.
+* Otherwise a self-attention call's queries are real where the call's own
+  mask shows the same token as a key somebody may see (key padding); a
+  cross-attention call counts every query that sees a key.
 """
 
 from __future__ import annotations
@@ -69,6 +83,12 @@ _MHA_ARGS = tuple(inspect.signature(_MHA_FORWARD).parameters)
 _UNOWNED_SDPA, _UNOWNED_MHA = "\0sdpa", "\0mha"
 #: Class names that mark a module as attention for the SDPA path's attribution.
 _ATTENTION_CLASS = re.compile(r"attention|attn", re.IGNORECASE)
+#: Forward arguments through which Hugging Face attention modules take keys from another sequence.
+_OTHER_KEYS_ARGS = ("key_value_states", "encoder_hidden_states")
+#: Forward arguments holding the mask a Hugging Face eager attention module applies, in order of preference.
+_MASK_ARGS = ("attention_mask", "mask", "attn_mask")
+#: ``bool_mask`` readings of :func:`probabilities_at`.
+_BOOL_MASKS = ("visible", "hidden", "auto")
 
 
 @dataclass(frozen=True)
@@ -85,9 +105,14 @@ class AttentionCall:
         k: (batch, kv_heads, seq_k, head_dim) keys, detached.
         scale: logit scale for ``q`` and ``k``.
         probs: (batch, heads, seq_q, seq_k) attention probabilities, detached.
-        padding_mask: (batch, seq) real tokens of the recorded batch, if given.
+        padding_mask: (batch, seq_q) real tokens of the sequence this call's
+            queries come from, when the recording's padding mask applies to
+            the layer; None otherwise. Set by the capture.
         document_ids: (batch, seq) document of each token of the recorded
             batch (packed sequences), if given.
+        self_attention: whether the keys are the query tokens themselves.
+            None (adapters may leave it): the capture decides (see the
+            module docstring).
     """
 
     layer: str
@@ -98,6 +123,7 @@ class AttentionCall:
     probs: Tensor | None = None
     padding_mask: Tensor | None = None
     document_ids: Tensor | None = None
+    self_attention: bool | None = None
 
 
 #: ``adapter(module, args, kwargs, output) -> AttentionCall | None``, called by a
@@ -106,17 +132,33 @@ class AttentionCall:
 Adapter = Callable[[nn.Module, tuple, dict, Any], "AttentionCall | None"]
 
 
-def probabilities_at(index: int = 1, *, mask_arg: str | None = "attention_mask") -> Adapter:
+def probabilities_at(index: int = 1, *, mask_arg: str | None = "attention_mask", bool_mask: str = "visible") -> Adapter:
     """Adapter for modules that return attention probabilities.
 
     Args:
         index: position of the (batch, heads, query, key) probabilities in the
-            module's output tuple (Hugging Face ``eager`` attention: 1).
-        mask_arg: keyword argument holding the mask the module applied:
-            bool (True = visible) or additive float (``-inf`` or the dtype's
-            minimum hides a key), broadcastable to the probabilities. None, or
-            an absent or None argument: every key is visible, or causal order
-            if the module has ``is_causal = True``.
+            module's output tuple; negative counts from the end. Hugging Face
+            eager attention: 1 for most families, -1 for the T5 family (whose
+            modules return ``(output, position_bias, weights)``).
+        mask_arg: forward argument (by keyword or position) holding the mask
+            the module applied, broadcastable to the probabilities: bool or
+            additive float (``-inf`` or the dtype's minimum hides a key). None,
+            or an absent or None argument: every key is visible, or causal
+            order if the module has ``is_causal = True``.
+        bool_mask: how to read a bool mask: ``"visible"`` (True = the key is
+            visible, SDPA's convention), ``"hidden"`` (True = the key is
+            hidden, as in ``scores.masked_fill(mask, min)``), or ``"auto"``:
+            the reading under which no query that sees a key puts mass on a
+            hidden one, decided per call.
+
+    Returns:
+        ``adapter(module, args, kwargs, output) -> AttentionCall | None``. The
+        adapter raises ValueError when the output does not hold probabilities
+        at ``index``, or when no reading of a bool mask fits them.
+
+    Raises:
+        TypeError: ``index`` is not an int or ``mask_arg`` not a str.
+        ValueError: an unknown ``bool_mask``.
 
     Example:
         >>> adapter = probabilities_at(1)
@@ -129,31 +171,102 @@ def probabilities_at(index: int = 1, *, mask_arg: str | None = "attention_mask")
     """
     if not isinstance(index, int) or isinstance(index, bool):
         raise TypeError(f"Expected `index` to be an int, got {type(index).__name__}.")
+    if mask_arg is not None and not isinstance(mask_arg, str):
+        raise TypeError(f"Expected `mask_arg` to be a str or None, got {type(mask_arg).__name__}.")
+    if bool_mask not in _BOOL_MASKS:
+        raise ValueError(f"Expected `bool_mask` to be one of {_BOOL_MASKS}, got {bool_mask!r}.")
 
     def adapter(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> AttentionCall | None:
-        if not isinstance(output, (tuple, list)) or len(output) <= index:
+        if not isinstance(output, (tuple, list)) or not -len(output) <= index < len(output):
             raise ValueError(
                 f"Expected the output of {type(module).__name__} to be a tuple with probabilities at index {index}, "
-                f"got {type(output).__name__}."
+                f"got {_describe(output) if not isinstance(output, (tuple, list)) else f'{len(output)} elements'}."
             )
         probs = output[index]
         if probs is None:
             return None
-        if not isinstance(probs, Tensor) or probs.dim() != 4:
-            raise ValueError(
-                f"Expected output[{index}] of {type(module).__name__} to be (batch, heads, query, key) "
-                f"probabilities, got {_describe(probs)}."
-            )
-        mask = kwargs.get(mask_arg) if mask_arg is not None else None
+        _check_probabilities(module, index, probs)
+        mask = _argument(module, mask_arg, args, kwargs) if mask_arg is not None else None
         num_q, num_k = probs.shape[-2:]
-        if mask is not None:
-            mask = mask[..., -num_q:, -num_k:]
+        if isinstance(mask, Tensor):
+            # Like Hugging Face's eager attention: the first num_k keys (a static cache may be longer).
+            mask = mask.detach()[..., -num_q:, :num_k]
+            if mask.dtype == torch.bool and bool_mask != "visible":
+                mask = ~mask if bool_mask == "hidden" else _bool_reading(module, probs.detach(), mask)
             support = Support(num_q, num_k, mask=mask)
         else:
             support = Support(num_q, num_k, causal=bool(getattr(module, "is_causal", False)))
         return AttentionCall(layer="", support=support, probs=probs.detach())
 
     return adapter
+
+
+def _check_probabilities(module: nn.Module, index: int, probs: object) -> None:
+    """Raise unless ``probs`` can be (batch, heads, query, key) attention probabilities."""
+    where = f"output[{index}] of {type(module).__name__}"
+    if not isinstance(probs, Tensor) or probs.dim() != 4 or not probs.dtype.is_floating_point:
+        raise ValueError(f"Expected {where} to be (batch, heads, query, key) probabilities, got {_describe(probs)}.")
+    with torch.no_grad():
+        values = probs.detach().float()
+        if bool((values < -1e-6).any()):
+            raise ValueError(f"Expected {where} to hold probabilities, found negative values (a bias or logits?).")
+        if not bool((values > 0).any()):
+            raise ValueError(f"Expected {where} to hold probabilities, found no positive value (a zero bias?).")
+        # At most 1: learned sinks (softmax over the keys and a sink logit) leave rows below 1, and
+        # dropout rescales rows in train mode.
+        if not module.training:
+            largest = float(values.sum(-1).max())
+            tolerance = 1e-3 if probs.dtype in (torch.float32, torch.float64) else 3e-2
+            if largest > 1 + tolerance:
+                raise ValueError(f"Expected the rows of {where} to sum to at most 1, found a sum of {largest:.4g}.")
+
+
+def _bool_reading(module: nn.Module, probs: Tensor, mask: Tensor) -> Tensor:
+    """Visibility from a bool mask of unknown polarity: the reading the probabilities agree with."""
+    for visible in (mask, ~mask):
+        sees = visible.any(-1)
+        outside = torch.where(visible, torch.zeros((), device=probs.device), probs.float()).sum(-1)
+        if not bool((torch.where(sees, outside, 0.0) > 1e-3).any()):
+            return visible
+    raise ValueError(
+        f"{type(module).__name__} puts attention mass on keys its bool mask hides, whichever way True is read; "
+        "pass probabilities_at(..., bool_mask='visible' or 'hidden') or an adapter that builds the support."
+    )
+
+
+#: Positions of forward arguments, per module class (read from the signature once).
+_POSITIONS: dict[type, dict[str, int]] = {}
+
+
+def _positions(module: nn.Module) -> dict[str, int]:
+    """name -> position of the positional-or-keyword arguments of ``module.forward`` (``self`` excluded)."""
+    cls = type(module)
+    if cls not in _POSITIONS:
+        try:
+            parameters = list(inspect.signature(module.forward).parameters.values())
+        except (TypeError, ValueError):
+            parameters = []
+        _POSITIONS[cls] = {
+            p.name: i
+            for i, p in enumerate(parameters)
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        }
+    return _POSITIONS[cls]
+
+
+def _argument(module: nn.Module, name: str, args: tuple, kwargs: dict) -> Any:
+    """The value ``module.forward`` received for argument ``name`` (None if not given)."""
+    if name in kwargs:
+        return kwargs[name]
+    position = _positions(module).get(name)
+    return args[position] if position is not None and position < len(args) else None
+
+
+def _takes_other_keys(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether ``module`` was called with keys from another sequence than its queries (cross-attention)."""
+    if getattr(module, "is_cross_attention", False) is True:
+        return True
+    return any(_argument(module, name, args, kwargs) is not None for name in _OTHER_KEYS_ARGS)
 
 
 def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -255,8 +368,17 @@ class AttentionCapture:
             selecting which layers to record; others are ignored.
         adapters: module name pattern -> :data:`Adapter` for modules whose
             output holds probabilities (or anything else an adapter can read).
-            Hugging Face models running ``eager`` attention get
-            ``probabilities_at(1)`` on their attention modules automatically.
+            Hugging Face models running ``eager`` attention are read
+            automatically: every attention module (class name with
+            "Attention"/"Attn", none inside it) under a module whose
+            ``config._attn_implementation`` is ``"eager"`` (also modules that
+            hold no config themselves, as in Bloom and MPT), its
+            probabilities at the index the model declares for its
+            ``attentions`` outputs (``_can_record_outputs``; 1 where it
+            declares none), its mask from the forward argument named
+            ``attention_mask`` or ``mask``, a bool mask read in the polarity
+            its probabilities agree with. A module whose output does not hold
+            probabilities there is skipped with a warning that names it.
         method: entropy path for q/k calls (see :func:`entropy_from_qk`).
 
     Raises:
@@ -308,14 +430,19 @@ class AttentionCapture:
             for name, module in model.named_modules()
             if isinstance(module, nn.MultiheadAttention)
         }
+        self._automatic: set[str] = set()
         self._adapters = self._resolve_adapters(adapters or {})
         self._owners = self._attention_owners()
+        for module in self._owners.values():
+            _positions(module)  # read signatures now, not while a compiled forward is traced
+        self._decoders = self._decoder_scopes()
         self._handles: list[RemovableHandle] = []
-        self._stack: list[str] = []
+        #: (layer, keys from another sequence) of the attention modules running now, innermost last.
+        self._stack: list[tuple[str, bool]] = []
         self._mode = _CaptureMode(self)
         self._recording = False
         self._pending: list[AttentionCall] = []
-        self._query_mask: Tensor | None = None
+        self._query_masks: list[tuple[str | None, Tensor]] = []
         self._document_ids: Tensor | None = None
         self._unowned = 0
         self._warned: set[str] = set()
@@ -332,13 +459,29 @@ class AttentionCapture:
             if not matched:
                 raise ValueError(f"Adapter pattern {pattern!r} matches no module of {type(self.model).__name__}.")
             resolved.update(dict.fromkeys(matched, adapter))
-        # Hugging Face eager attention returns its probabilities at output[1]; the
-        # model may sit anywhere inside ``model`` (a LightningModule, a wrapper).
-        for name, module in self.model.named_modules():
-            implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
-            if name not in resolved and implementation == "eager" and _is_hf_attention_leaf(module):
-                resolved[name] = probabilities_at(1)
+        # Hugging Face eager attention, anywhere inside ``model`` (a LightningModule, a wrapper).
+        for name, (module, index) in _hf_eager_attention(self.model).items():
+            if name not in resolved:
+                resolved[name] = _hf_eager_adapter(module, index)
+                self._automatic.add(name)
         return resolved
+
+    def _decoder_scopes(self) -> list[str]:
+        """Names of the decoders of encoder-decoder models: their queries are not the model's input tokens."""
+        scopes = []
+        for module in self.model.modules():
+            decoder: object = None
+            if isinstance(module, nn.Transformer):
+                decoder = module.decoder
+            elif getattr(getattr(module, "config", None), "is_encoder_decoder", False) is True:
+                get_decoder = getattr(module, "get_decoder", None)
+                decoder = get_decoder() if callable(get_decoder) else getattr(module, "decoder", None)
+            if isinstance(decoder, nn.Module) and decoder is not module and id(decoder) in self._names:
+                scopes.append(self._names[id(decoder)])
+        return scopes
+
+    def _in_decoder(self, layer: str) -> bool:
+        return any(layer == scope or layer.startswith(scope + ".") for scope in self._decoders)
 
     def _attention_owners(self) -> dict[str, nn.Module]:
         """Modules that may call SDPA: attention by class name, not MHA (the mode sees MHA)."""
@@ -361,7 +504,7 @@ class AttentionCapture:
             return self
         try:
             for name, module in self._owners.items():
-                self._handles.append(module.register_forward_pre_hook(self._push(name)))
+                self._handles.append(module.register_forward_pre_hook(self._push(name), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._pop(name), always_call=True))
             for name, adapter in self._adapters.items():
                 module = self.model.get_submodule(name)
@@ -391,15 +534,25 @@ class AttentionCapture:
     # -- recording ---------------------------------------------------------
     @contextmanager
     def recording(
-        self, padding_mask: Tensor | None = None, document_ids: Tensor | None = None
+        self, padding_mask: Tensor | Mapping[str, Tensor] | None = None, document_ids: Tensor | None = None
     ) -> Iterator[AttentionCapture]:
         """Record every attention call made inside the block.
 
         Args:
-            padding_mask: (batch, seq) bool or 0/1, True for real tokens of the
-                batch. Queries of calls whose length is ``seq`` are samples
-                only where it is True. None: every query with a visible key
-                counts.
+            padding_mask: which queries are real tokens, for the calls whose
+                queries come from the masked sequence. Either one (batch, seq)
+                bool or 0/1 mask, True for real tokens, of the model's input
+                sequence: it applies to every layer except those inside the
+                decoder of an encoder-decoder model (Hugging Face models with
+                ``config.is_encoder_decoder``, ``nn.Transformer``). Or a
+                mapping from layer name pattern (glob or exact name) to such a
+                mask: each layer takes the mask of the first pattern it
+                matches, e.g. ``{"*decoder*": decoder_mask, "*": source_mask}``
+                (the mask of a cross-attention layer is its queries', the
+                decoder's). A layer no mask applies to counts the queries its
+                own call shows as real (see the module docstring); a mask
+                whose length is not the call's number of queries is not used
+                for that layer, with a warning. None: no layer has a mask.
             document_ids: (batch, seq) integer document of each token, for
                 packed batches; passed on to consumers (cross-document
                 leakage, per-document sinks). The support still comes from
@@ -412,13 +565,10 @@ class AttentionCapture:
             raise RuntimeError("Attach the capture (`with AttentionCapture(model) as capture:`) before recording.")
         if self._recording:
             raise RuntimeError("This capture is already recording; recordings do not nest.")
-        if padding_mask is not None:
-            if not isinstance(padding_mask, Tensor) or padding_mask.dim() != 2:
-                raise ValueError(f"Expected `padding_mask` with shape (batch, seq), got {_describe(padding_mask)}.")
-            padding_mask = padding_mask.detach().bool()
+        query_masks = _query_masks(padding_mask)
         if document_ids is not None and (not isinstance(document_ids, Tensor) or document_ids.dim() != 2):
             raise ValueError(f"Expected `document_ids` with shape (batch, seq), got {_describe(document_ids)}.")
-        self._query_mask = padding_mask
+        self._query_masks = query_masks
         self._document_ids = None if document_ids is None else document_ids.detach()
         self.num_recordings += 1
         self._recording = True
@@ -431,19 +581,20 @@ class AttentionCapture:
         finally:
             self._recording = False
             self._pending.clear()
-            self._query_mask = self._document_ids = None
+            self._query_masks = []
+            self._document_ids = None
             self._stack.clear()
 
     def _push(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if self._recording:
-                self._stack.append(name)
+                self._stack.append((name, _takes_other_keys(module, args, kwargs)))
 
         return hook
 
     def _pop(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if self._recording and self._stack and self._stack[-1] == name:
+            if self._recording and self._stack and self._stack[-1][0] == name:
                 self._stack.pop()
 
         return hook
@@ -452,8 +603,23 @@ class AttentionCapture:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self._recording or not self._selected(name):
                 return
-            call = adapter(module, args, kwargs, output)
+            try:
+                call = adapter(module, args, kwargs, output)
+            except ValueError as error:
+                if name not in self._automatic:
+                    raise
+                self._warn_once(
+                    f"unreadable:{name}",
+                    f"attn_monitor cannot read the attention probabilities of {name!r} "
+                    f"({type(module).__name__}): {error} Pass "
+                    f"`adapters={{{name!r}: probabilities_at(index, mask_arg=...)}}` with where its output holds "
+                    "them, or run the model with attn_implementation='sdpa'; this layer is skipped.",
+                )
+                return
             if call is not None:
+                if call.self_attention is None:
+                    num_q, num_k = call.support.num_queries, call.support.num_keys
+                    call = replace(call, self_attention=num_q == num_k and not _takes_other_keys(module, args, kwargs))
                 self._receive(replace(call, layer=name))
 
         return hook
@@ -472,9 +638,11 @@ class AttentionCapture:
     def _on_sdpa(self, bound: dict[str, Any]) -> None:
         if not self._recording:
             return
-        layer = self._stack[-1] if self._stack else _UNOWNED_SDPA
+        layer, other_keys = self._stack[-1] if self._stack else (_UNOWNED_SDPA, False)
         if layer == _UNOWNED_SDPA or self._selected(layer):
-            self._receive(_sdpa_call(layer, bound))
+            call = _sdpa_call(layer, bound)
+            num_q, num_k = call.support.num_queries, call.support.num_keys
+            self._receive(replace(call, self_attention=num_q == num_k and not other_keys))
 
     def _on_mha(self, bound: dict[str, Any]) -> None:
         if not self._recording:
@@ -490,10 +658,11 @@ class AttentionCapture:
                     "capture does not support; this layer is skipped.",
                 )
             else:
-                self._receive(call)
+                same = bound["query"] is bound["key"] and call.support.num_queries == call.support.num_keys
+                self._receive(replace(call, self_attention=same))
 
     def _receive(self, call: AttentionCall) -> None:
-        self._pending.append(replace(call, padding_mask=self._query_mask, document_ids=self._document_ids))
+        self._pending.append(replace(call, document_ids=self._document_ids))
         if not torch.compiler.is_compiling():
             self._flush()
 
@@ -507,17 +676,40 @@ class AttentionCapture:
                 if not self._selected(name):
                     continue
                 call = replace(call, layer=name)
+            call = replace(call, padding_mask=self._query_mask_of(call))
             self.num_calls += 1
             with torch.no_grad():
                 sample = self._samples(call)
                 for consumer in self.consumers:
                     consumer(call, sample)
 
+    def _query_mask_of(self, call: AttentionCall) -> Tensor | None:
+        """The recording's mask of the sequence this call's queries come from, if one applies to its layer."""
+        for pattern, mask in self._query_masks:
+            applies = not self._in_decoder(call.layer) if pattern is None else _matches(call.layer, pattern)
+            if not applies:
+                continue
+            held = call.probs if call.probs is not None else call.q
+            batch = held.shape[0] if held is not None else mask.shape[0]
+            if mask.shape[1] != call.support.num_queries or mask.shape[0] != batch:
+                self._warn_once(
+                    f"query-mask:{call.layer}",
+                    f"attn_monitor: the padding mask for {call.layer!r} has shape {tuple(mask.shape)}, but the layer "
+                    f"has {call.support.num_queries} queries in a batch of {batch}: its queries do not come from "
+                    "that sequence (cross-attention of a decoder, a cached decoding step?). It is not used for this "
+                    "layer; pass `padding_mask` as a mapping {layer pattern: mask} to give the layer its own.",
+                )
+                return None
+            return mask
+        return None
+
     def _samples(self, call: AttentionCall) -> Tensor:
         sample = call.support.is_sample()
-        mask = call.padding_mask
-        if mask is not None and mask.shape[1] == call.support.num_queries:
-            sample = sample & mask.to(sample.device)[:, None, :]
+        real = call.padding_mask
+        if real is None and call.self_attention:
+            real = _own_tokens(call.support)
+        if real is not None:
+            sample = sample & real.to(sample.device)[:, None, :]
         return sample
 
     def _update_entropy(self, call: AttentionCall, sample: Tensor) -> None:
@@ -545,11 +737,105 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern or fnmatch.fnmatchcase(name, pattern)
 
 
-def _is_hf_attention_leaf(module: nn.Module) -> bool:
-    """A Hugging Face attention module with no attention module inside it."""
-    if getattr(module, "config", None) is None or not _ATTENTION_CLASS.search(type(module).__name__):
+def _is_attention_leaf(module: nn.Module) -> bool:
+    """A module named as attention with no attention module inside it."""
+    if not _ATTENTION_CLASS.search(type(module).__name__):
         return False
     return not any(_ATTENTION_CLASS.search(type(child).__name__) for child in module.modules() if child is not module)
+
+
+def _declared_attention_outputs(cls: type) -> list[tuple[type, int]]:
+    """(module class, output index) of the attention probabilities a Hugging Face model class declares.
+
+    Transformers models list what ``output_attentions`` collects in
+    ``_can_record_outputs``: under keys such as ``attentions`` and
+    ``cross_attentions``, a module class (probabilities at ``output[1]``) or a
+    recorder naming a ``target_class`` and an ``index``.
+    """
+    declared = getattr(cls, "_can_record_outputs", None)
+    if not isinstance(declared, Mapping):
+        return []
+    found = []
+    for key, specs in declared.items():
+        if "attentions" not in str(key):
+            continue
+        for spec in specs if isinstance(specs, (list, tuple)) else [specs]:
+            target = spec if isinstance(spec, type) else getattr(spec, "target_class", None)
+            index = 1 if isinstance(spec, type) else getattr(spec, "index", 1)
+            if isinstance(target, type) and isinstance(index, int):
+                found.append((target, index))
+    return found
+
+
+def _hf_eager_attention(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
+    """name -> (module, probabilities index) of every attention leaf under an ``eager`` Hugging Face config.
+
+    The implementation is the nearest enclosing ``config._attn_implementation``:
+    attention modules of some families (Bloom, MPT) hold no config, only their
+    model does. The index is the one the enclosing models declare for the
+    module's class; a declaration on an enclosing wrapper with a negative
+    index (the T5 family's ``T5LayerSelfAttention``, index -1) holds for the
+    attention module inside it, whose trailing outputs the wrapper passes on.
+    Without any declaration: 1, the Hugging Face convention.
+    """
+    found: dict[str, tuple[nn.Module, int]] = {}
+
+    def visit(module: nn.Module, name: str, implementation: object, declared: list, ancestors: list) -> None:
+        own = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        implementation = own if isinstance(own, str) else implementation
+        declared = declared + _declared_attention_outputs(type(module))
+        if name and implementation == "eager" and _is_attention_leaf(module):
+            direct = [index for target, index in declared if isinstance(module, target)]
+            wrapped = [
+                index
+                for target, index in declared
+                if index < 0 and any(isinstance(ancestor, target) for ancestor in ancestors)
+            ]
+            found[name] = (module, (direct or wrapped or [1])[0])
+            return
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, implementation, declared, [*ancestors, module])
+
+    visit(model, "", None, [], [])
+    return found
+
+
+def _hf_eager_adapter(module: nn.Module, index: int) -> Adapter:
+    """``probabilities_at`` for a Hugging Face eager attention module: its own mask argument, either bool polarity."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}  # type: ignore[assignment]
+    mask_arg = next((name for name in _MASK_ARGS if name in parameters), None)
+    return probabilities_at(index, mask_arg=mask_arg, bool_mask="auto")
+
+
+def _query_masks(padding_mask: object) -> list[tuple[str | None, Tensor]]:
+    """``recording``'s ``padding_mask`` as (layer pattern or None for the input sequence, (batch, seq) bool)."""
+    if padding_mask is None:
+        return []
+    if isinstance(padding_mask, Mapping):
+        items = list(padding_mask.items())
+        if not all(isinstance(pattern, str) for pattern, _ in items):
+            raise TypeError(
+                f"Expected the keys of `padding_mask` to be layer patterns (str), got {list(padding_mask)!r}."
+            )
+    else:
+        items = [(None, padding_mask)]
+    masks = []
+    for pattern, mask in items:
+        if not isinstance(mask, Tensor) or mask.dim() != 2:
+            where = "`padding_mask`" if pattern is None else f"`padding_mask[{pattern!r}]`"
+            raise ValueError(f"Expected {where} with shape (batch, seq), got {_describe(mask)}.")
+        masks.append((pattern, mask.detach().bool()))
+    return masks
+
+
+def _own_tokens(support: Support) -> Tensor | None:
+    """(batch, seq) real tokens of a self-attention call: the keys some query may see."""
+    if support.mask is None:
+        return support.padding_mask  # causal order, windows and documents hide no key from every query
+    return support.dense().any(-2).any(-2)
 
 
 def _describe(value: object) -> str:
@@ -578,9 +864,27 @@ def _batch_tensor(batch: Any, key: str) -> Tensor | None:
     return None
 
 
-def default_padding_mask(batch: Any) -> Tensor | None:
-    """The (batch, seq) ``attention_mask`` of a dict batch (Hugging Face style), else None."""
-    return _batch_tensor(batch, "attention_mask")
+def default_padding_mask(batch: Any) -> Tensor | dict[str, Tensor] | None:
+    """The padding mask of a dict batch (Hugging Face style), else None.
+
+    Its (batch, seq) ``attention_mask`` (the encoder's, or a decoder-only
+    model's); with a ``decoder_attention_mask`` as well, the mapping
+    ``{"*decoder.*": decoder_attention_mask, "*": attention_mask}``: decoder
+    layers (self- and cross-attention) count the decoder's real tokens.
+
+    Example:
+        >>> mask = torch.ones(2, 5, dtype=torch.long)
+        >>> sorted(default_padding_mask({"attention_mask": mask, "decoder_attention_mask": mask[:, :3]}))
+        ['*', '*decoder.*']
+    """
+    source = _batch_tensor(batch, "attention_mask")
+    target = _batch_tensor(batch, "decoder_attention_mask")
+    if target is None:
+        return source
+    masks = {"*decoder.*": target}
+    if source is not None:
+        masks["*"] = source
+    return masks
 
 
 def default_document_ids(batch: Any) -> Tensor | None:
@@ -593,7 +897,7 @@ def evaluate_attention(
     batches: Iterable[Any],
     *,
     forward: Callable[[nn.Module, Any], Any] | None = None,
-    padding_mask: Callable[[Any], Tensor | None] | None = None,
+    padding_mask: Callable[[Any], Tensor | Mapping[str, Tensor] | None] | None = None,
     metric: AttentionEntropy | None = None,
     layers: Iterable[str] | None = None,
     adapters: Mapping[str, Adapter] | None = None,
@@ -609,11 +913,14 @@ def evaluate_attention(
     Args:
         model: the model.
         batches: an iterable of batches: dicts of keyword arguments by default
-            (their ``attention_mask`` decides which queries are samples).
+            (their ``attention_mask`` and ``decoder_attention_mask`` decide
+            which queries are samples).
         forward: ``forward(model, batch)`` for anything else; the default calls
             ``model(**batch)`` for dicts, ``model(*batch)`` for tuples.
-        padding_mask: ``padding_mask(batch) -> (batch, seq) mask`` of real
-            tokens; defaults to ``batch["attention_mask"]`` when present.
+        padding_mask: ``padding_mask(batch)`` -> a (batch, seq) mask of real
+            tokens, or a mapping from layer pattern to such a mask (see
+            :meth:`AttentionCapture.recording`); defaults to
+            :func:`default_padding_mask`.
         metric: metric to fill (a fresh :class:`AttentionEntropy` by default).
         layers: layer patterns to record (all attention by default).
         adapters: see :class:`AttentionCapture`.

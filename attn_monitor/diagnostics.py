@@ -113,7 +113,8 @@ class MassDiagnostics:
             return
         support = call.support
         length = support.num_keys
-        padding = call.padding_mask if _fits(call.padding_mask, length) else None
+        # The padding mask is the queries' sequence: the keys' too only in self-attention.
+        padding = call.padding_mask if call.self_attention is not False and _fits(call.padding_mask, length) else None
         documents = call.document_ids if _fits(call.document_ids, length) and support.num_queries == length else None
         mass = _MassOf(call, self.method)
 

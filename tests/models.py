@@ -42,12 +42,17 @@ __all__ = [
     "HIDDEN",
     "LAYERS",
     "VOCAB",
+    "WHISPER_MEL_BINS",
+    "WHISPER_SOURCE",
+    "ZOO_HEADS",
+    "ZOO_HIDDEN",
     "EagerLM",
     "NanoGPT",
     "PackedLM",
     "hf_model",
     "sharpen",
     "transformer_encoder",
+    "zoo_model",
 ]
 
 
@@ -347,3 +352,97 @@ def transformer_encoder(batch_first: bool, *, dropout: float = 0.0, seed: int = 
     for each in encoder.layers:
         sharpen(each.self_attn.in_proj_weight)
     return encoder
+
+
+# --------------------------------------------------------------------------- the wider Hugging Face zoo
+
+#: Encoder-decoder and decoder-only families with their own attention code (eager probabilities at
+#: other output positions, masks under other names and polarities). Sizes: hidden 16, 2 layers, 4 heads.
+ZOO_HIDDEN, ZOO_HEADS = 32, 4
+#: Far larger than Hugging Face's defaults (tiny random models otherwise attend almost uniformly), and
+#: not so large that every head turns one-hot: heads must differ for a reference to prove anything.
+ZOO_INIT = {"bart": 0.7, "t5": 1.5, "whisper": 0.7, "bloom": 1.0, "mpt": 0.7}
+
+
+def _zoo_config(family: str) -> tuple[type, object]:
+    import transformers
+
+    common = {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    if family == "bart":
+        config = transformers.BartConfig(
+            d_model=ZOO_HIDDEN,
+            encoder_layers=LAYERS,
+            decoder_layers=LAYERS,
+            encoder_attention_heads=ZOO_HEADS,
+            decoder_attention_heads=ZOO_HEADS,
+            encoder_ffn_dim=2 * ZOO_HIDDEN,
+            decoder_ffn_dim=2 * ZOO_HIDDEN,
+            max_position_embeddings=MAX_LEN,
+            init_std=ZOO_INIT[family],
+            decoder_start_token_id=1,
+            **common,
+        )
+        return transformers.BartForConditionalGeneration, config
+    if family == "t5":
+        config = transformers.T5Config(
+            d_model=ZOO_HIDDEN,
+            d_kv=ZOO_HIDDEN // ZOO_HEADS,
+            d_ff=2 * ZOO_HIDDEN,
+            num_layers=LAYERS,
+            num_decoder_layers=LAYERS,
+            num_heads=ZOO_HEADS,
+            relative_attention_num_buckets=8,
+            initializer_factor=ZOO_INIT[family],
+            decoder_start_token_id=1,
+            **common,
+        )
+        return transformers.T5ForConditionalGeneration, config
+    if family == "whisper":
+        config = transformers.WhisperConfig(
+            d_model=ZOO_HIDDEN,
+            encoder_layers=LAYERS,
+            decoder_layers=LAYERS,
+            encoder_attention_heads=ZOO_HEADS,
+            decoder_attention_heads=ZOO_HEADS,
+            encoder_ffn_dim=2 * ZOO_HIDDEN,
+            decoder_ffn_dim=2 * ZOO_HIDDEN,
+            num_mel_bins=WHISPER_MEL_BINS,
+            max_source_positions=WHISPER_SOURCE,
+            max_target_positions=MAX_LEN,
+            init_std=ZOO_INIT[family],
+            decoder_start_token_id=1,
+            **common,
+        )
+        return transformers.WhisperForConditionalGeneration, config
+    if family == "bloom":
+        config = transformers.BloomConfig(
+            hidden_size=ZOO_HIDDEN, n_layer=LAYERS, n_head=ZOO_HEADS, initializer_range=ZOO_INIT[family], **common
+        )
+        return transformers.BloomForCausalLM, config
+    if family == "mpt":
+        config = transformers.MptConfig(
+            d_model=ZOO_HIDDEN,
+            n_layers=LAYERS,
+            n_heads=ZOO_HEADS,
+            max_seq_len=MAX_LEN,
+            initializer_range=ZOO_INIT[family],
+            **common,
+        )
+        return transformers.MptForCausalLM, config
+    raise ValueError(f"Unknown family {family!r}.")
+
+
+#: Mel bins of the tiny Whisper: its encoder takes (batch, bins, 2 * source length) features.
+WHISPER_MEL_BINS = 8
+#: Encoder positions of the tiny Whisper (it takes exactly twice as many feature frames).
+WHISPER_SOURCE = 10
+
+
+def zoo_model(family: str, implementation: str, *, seed: int = 0) -> nn.Module:
+    """A tiny random ``family`` model ("bart", "t5", "whisper", "bloom", "mpt") in eval mode.
+
+    Bloom and MPT have eager attention only. The config is deep-copied (see :func:`hf_model`).
+    """
+    cls, config = _zoo_config(family)
+    torch.manual_seed(seed)
+    return cls._from_config(copy.deepcopy(config), attn_implementation=implementation).eval()

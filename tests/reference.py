@@ -36,6 +36,7 @@ __all__ = [
     "distance_from_qk",
     "entropy_from_qk",
     "entropy_from_scores",
+    "head_means",
     "is_sample",
     "make_spec",
     "max_logit_from_qk",
@@ -338,3 +339,29 @@ def make_spec(family: str, batch: int, heads: int, num_queries: int, num_keys: i
     else:
         raise KeyError(family)
     return spec
+
+
+# --------------------------------------------------------------------------- per-head pooling
+
+
+def head_means(probs: Tensor, visible: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
+    """Token-weighted mean normalised entropy per head, and the number of queries it pools.
+
+    Args:
+        probs: (B, H, Nq, Nk) attention weights; values off the support are ignored.
+        visible: bool broadcastable to ``probs``: the support the model's documented mask implies.
+        real: (B, Nq) bool: queries that are real tokens of their own sequence.
+
+    Returns:
+        ((H,) float64 means, (H,) long counts) over real queries with more than one visible key.
+    """
+    probs = probs.to(torch.float64)
+    visible = visible.expand(probs.shape)
+    weights = torch.where(visible, probs, torch.zeros((), dtype=torch.float64))
+    p = weights / weights.sum(-1, keepdim=True).clamp(min=1e-300)
+    entropy = -torch.where(p > 0, p * p.log(), torch.zeros((), dtype=torch.float64)).sum(-1)
+    n = visible.sum(-1)
+    counted = real[:, None, :].expand(n.shape) & (n > 1)
+    normalised = torch.where(counted, entropy / n.clamp(min=2).to(torch.float64).log(), 0.0)
+    counts = counted.sum((0, 2))
+    return normalised.sum((0, 2)) / counts.clamp(min=1).to(torch.float64), counts
