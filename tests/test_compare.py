@@ -23,7 +23,7 @@ import torch
 
 from attn_monitor import AttentionEntropy, EntropySummary
 from attn_monitor.__main__ import main
-from attn_monitor.compare import (
+from attn_monitor.comparison import (
     FORMAT_NAME,
     FORMAT_VERSION,
     REMINDER,
@@ -125,7 +125,7 @@ def test_saved_file_is_the_documented_plain_dict(tmp_path: Path) -> None:
 
 def test_format_covers_every_metric_statistic() -> None:
     # The file format lists its statistics itself; a new statistic in the metric needs a format version bump.
-    from attn_monitor.compare import _STATS_V1
+    from attn_monitor.comparison import _STATS_V1
     from attn_monitor.metric import _STATE_KINDS
 
     assert set(_STATS_V1) == set(_STATE_KINDS)
