@@ -309,7 +309,7 @@ class AttentionEntropyMonitor(Callback):
     # -- checkpointing -------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        baselines = {int(key): value.tolist() for key, value in self.collapse.baselines.items()}
+        baselines = {key: value.tolist() for key, value in self.collapse.baselines.items() if isinstance(key, int)}
         return {**self.schedule.state_dict(), "first_medians": baselines}
 
     @override

@@ -190,12 +190,12 @@ class LogOptions:
         Raises:
             ValueError: ``histogram_bins`` > :data:`WANDB_MAX_BINS` with a W&B logger.
         """
-        if self.histogram_bins and self.histogram_bins > WANDB_MAX_BINS:
-            if any(logger_kind(logger) == "wandb" for logger in loggers):
-                raise ValueError(
-                    f"`histogram_bins`={self.histogram_bins} but W&B keeps at most {WANDB_MAX_BINS} bins "
-                    "and silently drops the rest; pass histogram_bins <= 512."
-                )
+        too_many = bool(self.histogram_bins) and self.histogram_bins > WANDB_MAX_BINS  # type: ignore[operator]
+        if too_many and any(logger_kind(logger) == "wandb" for logger in loggers):
+            raise ValueError(
+                f"`histogram_bins`={self.histogram_bins} but W&B keeps at most {WANDB_MAX_BINS} bins "
+                "and silently drops the rest; pass histogram_bins <= 512."
+            )
 
     def write(
         self,

@@ -112,9 +112,9 @@ class Recorder:
         self.adapters = dict(adapters or {})
         self.num_bins = num_bins
         self.include_single_key = bool(include_single_key)
-        self._diagnostics = {"sink_tokens": sink_tokens, "eviction": list(eviction), "leakage": bool(leakage)}
-        # Checks the arguments now, not at the first stream.
-        self.diagnostics = MassDiagnostics(**self._diagnostics).enabled
+        # Checks the arguments now, not at the first stream; each stream gets a copy.
+        self._diagnostics = MassDiagnostics(sink_tokens=sink_tokens, eviction=eviction, leakage=leakage)
+        self.diagnostics = self._diagnostics.enabled
         self.capture: AttentionCapture | None = None
         self.streams: dict[Hashable, Stream] = {}
         self._device = torch.device("cpu")
@@ -155,7 +155,13 @@ class Recorder:
             entropy = AttentionEntropy(num_bins=self.num_bins, include_single_key=self.include_single_key)
             masses = None
             if diagnostics and self.diagnostics:
-                masses = MassDiagnostics(**self._diagnostics, metric=AttentionMass().to(self._device))
+                template = self._diagnostics
+                masses = MassDiagnostics(
+                    sink_tokens=template.sink_tokens,
+                    eviction=template.eviction,
+                    leakage=template.leakage,
+                    metric=AttentionMass().to(self._device),
+                )
             self.streams[key] = Stream(entropy.to(self._device), masses)
         return self.streams[key]
 
