@@ -31,41 +31,37 @@ def _imported_after(code: str) -> set[str]:
     return set(json.loads(result.stdout.splitlines()[-1])) & {*HEAVY, "torch"}
 
 
-def test_import_attn_monitor_imports_nothing_heavy() -> None:
-    assert _imported_after("import attn_monitor") == set()
-
-
-def test_the_core_api_imports_without_lightning() -> None:
+def test_import_and_cli_help_import_nothing_heavy() -> None:
     loaded = _imported_after(
-        "from attn_monitor import AttentionCapture, AttentionEntropy, MassDiagnostics, entropy_from_qk, "
-        "evaluate_attention, compare"
-    )
-    assert "torch" in loaded  # the names did load
-    # torchmetrics itself may pull in matplotlib and transformers; Lightning and wandb must stay out.
-    assert not loaded & {"lightning", "pytorch_lightning", "wandb"}
-
-
-def test_the_callback_loads_on_first_use() -> None:
-    loaded = _imported_after(
+        "import contextlib, io\n"
         "import attn_monitor\n"
-        "assert 'lightning' not in sys.modules\n"
+        "from attn_monitor.__main__ import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['--help']) == 0"
+    )
+    assert loaded == set()  # not even torch
+
+
+def test_core_api_without_lightning_then_the_callback_on_first_use() -> None:
+    # torchmetrics itself may pull in matplotlib and transformers; Lightning and wandb must stay out
+    # until the callback is asked for. Importing the module that defines `compare` must not
+    # replace the function on the package.
+    loaded = _imported_after(
+        "import inspect\n"
+        "import attn_monitor, attn_monitor.comparison\n"
+        "from attn_monitor import AttentionCapture, AttentionEntropy, MassDiagnostics, compare\n"
+        "from attn_monitor import entropy_from_qk, evaluate_attention\n"
+        "assert not {'lightning', 'pytorch_lightning', 'wandb'} & {m.split('.')[0] for m in sys.modules}\n"
+        "assert inspect.isfunction(compare) and inspect.isfunction(attn_monitor.compare)\n"
         "from attn_monitor import AttentionEntropyMonitor\n"
         "from attn_monitor.callback import AttentionEntropyMonitor as same\n"
-        "assert AttentionEntropyMonitor is same"
-    )
-    assert "lightning" in loaded
-
-
-def test_every_public_name_resolves_and_compare_stays_the_function() -> None:
-    # Importing the module that defines `compare` must not replace the function on the package.
-    _imported_after(
-        "import attn_monitor, attn_monitor.comparison, inspect\n"
+        "assert AttentionEntropyMonitor is same\n"
         "for name in attn_monitor.__all__:\n"
         "    assert getattr(attn_monitor, name).__name__ == name, name\n"
-        "assert inspect.isfunction(attn_monitor.compare)\n"
         "assert sorted(attn_monitor.__all__) == attn_monitor.__all__\n"
         "assert set(attn_monitor.__all__) <= set(dir(attn_monitor))"
     )
+    assert "lightning" in loaded
 
 
 def test_unknown_names_raise_attribute_error() -> None:
@@ -75,13 +71,3 @@ def test_unknown_names_raise_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         attn_monitor.Nope  # noqa: B018
-
-
-def test_cli_help_does_not_import_torch() -> None:
-    loaded = _imported_after(
-        "import contextlib, io\n"
-        "from attn_monitor.__main__ import main\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    assert main(['--help']) == 0"
-    )
-    assert loaded == set()
