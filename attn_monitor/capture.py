@@ -613,16 +613,20 @@ def _without_nonfinite(call: AttentionCall) -> tuple[AttentionCall, Tensor | Non
     entropy functions from raising; those queries' values are discarded.
     None when every value is finite.
     """
+    # A sum is NaN or inf when any term is (or, harmlessly, when it overflows), and far cheaper
+    # than an elementwise isfinite on CPU; the exact check runs only when it fails.
     if call.probs is not None:
-        bad = ~torch.isfinite(call.probs)
-        if not bad.any():
+        if bool(torch.isfinite(call.probs.sum(dtype=torch.float32))):
             return call, None
+        bad = ~torch.isfinite(call.probs)
         reached = (bad & call.support.dense()).any(-1) | bad.all(-1)
         probs = torch.where(reached[..., None], 1.0, call.probs.masked_fill(bad, 0.0))
         return replace(call, probs=probs), reached
     if call.q is None or call.k is None:
         return call, None
-    bad_q, bad_k = ~torch.isfinite(call.q).all(-1), ~torch.isfinite(call.k).all(-1)
+    if bool(torch.isfinite(call.q.sum(dtype=torch.float32) + call.k.sum(dtype=torch.float32))):
+        return call, None
+    bad_q, bad_k = (~torch.isfinite(t.sum(-1, dtype=torch.float32)) for t in (call.q, call.k))
     if not (bad_q.any() or bad_k.any()):
         return call, None
     reached = bad_q
