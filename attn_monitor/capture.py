@@ -3,8 +3,10 @@
 An :class:`AttentionCapture` finds the attention of a model and, while it is
 recording, turns every attention call into an :class:`AttentionCall` (queries
 and keys, or probabilities, plus the support the model's own mask implies)
-and feeds it to its consumers: by default an
-:class:`~attn_monitor.metric.AttentionEntropy`. Paths, chosen per call:
+and feeds it to the consumers chosen when the recording starts
+(``recording(..., consumers=[...])``; by default one :class:`EntropyUpdate`
+of the capture's :class:`~attn_monitor.metric.AttentionEntropy`). Paths,
+chosen per call:
 
 1. **SDPA**: a ``TorchFunctionMode`` sees every
    ``F.scaled_dot_product_attention`` call (Hugging Face ``sdpa`` models,
