@@ -967,6 +967,9 @@ def test_two_monitors_in_one_trainer_fit_save_and_resume(tmp_path: Path) -> None
     trainer2 = make_trainer(tmp_path, loggers=[logger2], callbacks=resumed, max_epochs=2, limit_train_batches=2)
     trainer2.fit(lm.TinyGPT(lr=0.0), lm.loader(lm.make_batches(2, seed=10)), lm.loader(val), ckpt_path=str(checkpoint))
     check(logger2.records)
+    # The same prefix twice would write the same names and states: Lightning refuses it, naming state_key.
+    with pytest.raises(RuntimeError, match="state_key"):
+        make_trainer(tmp_path, callbacks=[AttentionEntropyMonitor(), AttentionEntropyMonitor()])
 
 
 def test_two_validation_dataloaders_are_kept_apart(tmp_path: Path) -> None:
