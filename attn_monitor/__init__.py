@@ -1,22 +1,34 @@
-"""attn_monitor: watch how concentrated a Transformer's attention is while it trains."""
+"""attn_monitor: watch how concentrated a Transformer's attention is while it trains.
 
-from attn_monitor.callback import AttentionEntropyMonitor
-from attn_monitor.capture import AttentionCall, AttentionCapture, evaluate_attention, probabilities_at
-from attn_monitor.compare import Comparison, compare, load_summary, save_summary
-from attn_monitor.diagnostics import MassDiagnostics
-from attn_monitor.functional import (
-    attention_distance,
-    attention_entropy,
-    attention_lse,
-    attention_max_logit,
-    entropy_from_logits,
-    entropy_from_qk,
-    histogram_quantile,
-    mass_fraction,
-    normalize_entropy,
-)
-from attn_monitor.masks import Support
-from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
+Every public name loads on first use (PEP 562), so ``import attn_monitor``
+costs nothing and never imports torch, Lightning, matplotlib, wandb or
+transformers; ``from attn_monitor import AttentionEntropyMonitor`` loads the
+Lightning callback, ``from attn_monitor import entropy_from_qk`` only torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from attn_monitor.callback import AttentionEntropyMonitor
+    from attn_monitor.capture import AttentionCall, AttentionCapture, evaluate_attention, probabilities_at
+    from attn_monitor.comparison import Comparison, compare, load_summary, save_summary
+    from attn_monitor.diagnostics import MassDiagnostics
+    from attn_monitor.functional import (
+        attention_distance,
+        attention_entropy,
+        attention_lse,
+        attention_max_logit,
+        entropy_from_logits,
+        entropy_from_qk,
+        histogram_quantile,
+        mass_fraction,
+        normalize_entropy,
+    )
+    from attn_monitor.masks import Support
+    from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
 
 __all__ = [
     "AttentionCall",
@@ -44,3 +56,40 @@ __all__ = [
     "probabilities_at",
     "save_summary",
 ]
+
+#: Public name -> the module that defines it.
+_HOMES = {
+    "AttentionEntropyMonitor": "callback",
+    **dict.fromkeys(("AttentionCall", "AttentionCapture", "evaluate_attention", "probabilities_at"), "capture"),
+    **dict.fromkeys(("Comparison", "compare", "load_summary", "save_summary"), "comparison"),
+    "MassDiagnostics": "diagnostics",
+    **dict.fromkeys(
+        (
+            "attention_distance",
+            "attention_entropy",
+            "attention_lse",
+            "attention_max_logit",
+            "entropy_from_logits",
+            "entropy_from_qk",
+            "histogram_quantile",
+            "mass_fraction",
+            "normalize_entropy",
+        ),
+        "functional",
+    ),
+    "Support": "masks",
+    **dict.fromkeys(("AttentionEntropy", "AttentionMass", "EntropySummary", "MassSummary"), "metric"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'attn_monitor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"attn_monitor.{home}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

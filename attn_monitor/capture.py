@@ -3,8 +3,10 @@
 An :class:`AttentionCapture` finds the attention of a model and, while it is
 recording, turns every attention call into an :class:`AttentionCall` (queries
 and keys, or probabilities, plus the support the model's own mask implies)
-and feeds it to its consumers: by default an
-:class:`~attn_monitor.metric.AttentionEntropy`. Paths, chosen per call:
+and feeds it to the consumers chosen when the recording starts
+(``recording(..., consumers=[...])``; by default one :class:`EntropyUpdate`
+of the capture's :class:`~attn_monitor.metric.AttentionEntropy`). Paths,
+chosen per call:
 
 1. **SDPA**: a ``TorchFunctionMode`` sees every
    ``F.scaled_dot_product_attention`` call (Hugging Face ``sdpa`` models,
@@ -47,11 +49,9 @@ from, never by matching lengths:
 
 from __future__ import annotations
 
-import fnmatch
 import inspect
 import math
 import re
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -66,11 +66,14 @@ from torch.utils.hooks import RemovableHandle
 from attn_monitor.functional import Method, attention_entropy, entropy_from_qk
 from attn_monitor.masks import Support
 from attn_monitor.metric import AttentionEntropy, EntropySummary
+from attn_monitor.shared import WarnOnce, matches
 
 __all__ = [
     "Adapter",
     "AttentionCall",
     "AttentionCapture",
+    "Consumer",
+    "EntropyUpdate",
     "evaluate_attention",
     "probabilities_at",
 ]
@@ -421,7 +424,7 @@ class AttentionCapture:
         self.layers = None if layers is None else list(layers)
         if self.layers is not None and not all(isinstance(p, str) for p in self.layers):
             raise TypeError(f"Expected `layers` to be patterns (str), got {self.layers!r}.")
-        self.consumers: list[Consumer] = [self._update_entropy]
+        self.consumers: list[Consumer] = [EntropyUpdate(self.metric, method=method)]
         self._names = {id(module): name for name, module in model.named_modules()}
         # The model itself has the empty name; its layer is called by its class.
         self._param_owner = {
@@ -445,7 +448,8 @@ class AttentionCapture:
         self._query_masks: list[tuple[str | None, Tensor]] = []
         self._document_ids: Tensor | None = None
         self._unowned = 0
-        self._warned: set[str] = set()
+        self._warn_once = WarnOnce()
+        self._consumers: list[Consumer] = []
         self.num_calls = 0
         self.num_recordings = 0
 
@@ -455,7 +459,7 @@ class AttentionCapture:
         for pattern, adapter in adapters.items():
             if not callable(adapter):
                 raise TypeError(f"Expected the adapter for {pattern!r} to be callable, got {type(adapter).__name__}.")
-            matched = [name for name in self._names.values() if name and _matches(name, pattern)]
+            matched = [name for name in self._names.values() if name and matches(name, pattern)]
             if not matched:
                 raise ValueError(f"Adapter pattern {pattern!r} matches no module of {type(self.model).__name__}.")
             resolved.update(dict.fromkeys(matched, adapter))
@@ -534,7 +538,11 @@ class AttentionCapture:
     # -- recording ---------------------------------------------------------
     @contextmanager
     def recording(
-        self, padding_mask: Tensor | Mapping[str, Tensor] | None = None, document_ids: Tensor | None = None
+        self,
+        padding_mask: Tensor | Mapping[str, Tensor] | None = None,
+        document_ids: Tensor | None = None,
+        *,
+        consumers: Iterable[Consumer] | None = None,
     ) -> Iterator[AttentionCapture]:
         """Record every attention call made inside the block.
 
@@ -557,9 +565,14 @@ class AttentionCapture:
                 packed batches; passed on to consumers (cross-document
                 leakage, per-document sinks). The support still comes from
                 the model's own mask.
+            consumers: who receives this recording's calls, e.g.
+                ``[EntropyUpdate(validation_metric), diagnostics]``: chosen
+                here, for this recording only. None: :attr:`consumers` (by
+                default one :class:`EntropyUpdate` of :attr:`metric`).
 
         Raises:
             RuntimeError: the capture is not attached, or already recording.
+            TypeError: a consumer that is not callable.
         """
         if not self._handles and (self._owners or self._adapters):
             raise RuntimeError("Attach the capture (`with AttentionCapture(model) as capture:`) before recording.")
@@ -568,6 +581,11 @@ class AttentionCapture:
         query_masks = _query_masks(padding_mask)
         if document_ids is not None and (not isinstance(document_ids, Tensor) or document_ids.dim() != 2):
             raise ValueError(f"Expected `document_ids` with shape (batch, seq), got {_describe(document_ids)}.")
+        chosen = list(self.consumers if consumers is None else consumers)
+        for consumer in chosen:
+            if not callable(consumer):
+                raise TypeError(f"Expected every consumer to be callable, got {type(consumer).__name__}.")
+        self._consumers = chosen
         self._query_masks = query_masks
         self._document_ids = None if document_ids is None else document_ids.detach()
         self.num_recordings += 1
@@ -583,6 +601,7 @@ class AttentionCapture:
             self._pending.clear()
             self._query_masks = []
             self._document_ids = None
+            self._consumers = []
             self._stack.clear()
 
     def _push(self, name: str) -> Callable[..., None]:
@@ -624,13 +643,8 @@ class AttentionCapture:
 
         return hook
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, stacklevel=3)
-
     def _selected(self, name: str) -> bool:
-        return self.layers is None or any(_matches(name, pattern) for pattern in self.layers)
+        return self.layers is None or any(matches(name, pattern) for pattern in self.layers)
 
     # Under torch.compile these run while the graph is traced: they only read
     # state and append to a list, so switching recording on costs one extra
@@ -680,13 +694,13 @@ class AttentionCapture:
             self.num_calls += 1
             with torch.no_grad():
                 sample = self._samples(call)
-                for consumer in self.consumers:
+                for consumer in self._consumers:
                     consumer(call, sample)
 
     def _query_mask_of(self, call: AttentionCall) -> Tensor | None:
         """The recording's mask of the sequence this call's queries come from, if one applies to its layer."""
         for pattern, mask in self._query_masks:
-            applies = not self._in_decoder(call.layer) if pattern is None else _matches(call.layer, pattern)
+            applies = not self._in_decoder(call.layer) if pattern is None else matches(call.layer, pattern)
             if not applies:
                 continue
             held = call.probs if call.probs is not None else call.q
@@ -712,7 +726,41 @@ class AttentionCapture:
             sample = sample & real.to(sample.device)[:, None, :]
         return sample
 
-    def _update_entropy(self, call: AttentionCall, sample: Tensor) -> None:
+
+class EntropyUpdate:
+    """The consumer that adds each call's per-query entropy to one :class:`AttentionEntropy`.
+
+    A diverging model must not stop training: queries that non-finite q, k
+    or weights reach (NaN, inf) are left out, counted per layer in
+    :attr:`nonfinite` and reported by one warning per layer, while the
+    functional API itself raises on such input.
+
+    Args:
+        metric: the metric to update.
+        method: entropy path for q/k calls (see :func:`entropy_from_qk`).
+
+    Example:
+        >>> import torch
+        >>> attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        >>> validation, training = AttentionEntropy(), AttentionEntropy()
+        >>> with AttentionCapture(attn) as capture:
+        ...     with capture.recording(consumers=[EntropyUpdate(validation)]):
+        ...         _ = attn(*(3 * [torch.randn(1, 4, 8)]), need_weights=False)
+        >>> validation.layers, training.layers
+        (['MultiheadAttention'], [])
+    """
+
+    def __init__(self, metric: AttentionEntropy, *, method: Method = "auto") -> None:
+        if not isinstance(metric, AttentionEntropy):
+            raise TypeError(f"Expected `metric` to be an AttentionEntropy, got {type(metric).__name__}.")
+        self.metric = metric
+        self.method = method
+        #: Layer -> queries left out because non-finite values reached them.
+        self.nonfinite: dict[str, int] = {}
+        self._warn_once = WarnOnce()
+
+    def __call__(self, call: AttentionCall, sample: Tensor) -> None:
+        call, reached = _without_nonfinite(call)
         if call.probs is not None:
             entropy = attention_entropy(call.probs, call.support.dense(), no_mass="nan")
             stranded = entropy.isnan() & (call.support.num_valid() > 0)
@@ -730,11 +778,55 @@ class AttentionCapture:
             entropy = entropy_from_qk(call.q, call.k, mask=call.support, scale=call.scale, method=self.method)
         else:
             raise ValueError(f"An AttentionCall of {call.layer!r} holds neither q and k nor probabilities.")
+        if reached is not None:
+            entropy = entropy.masked_fill(reached, math.nan)
+        sample = self._skip_nonfinite(call.layer, entropy, sample)
         self.metric.update(call.layer, entropy, call.support.num_valid(), sample)
 
+    def _skip_nonfinite(self, layer: str, entropy: Tensor, sample: Tensor) -> Tensor:
+        """Count, report and leave out the sampled queries whose entropy is not finite."""
+        bad = sample & ~torch.isfinite(entropy)
+        if not bad.any():
+            return sample
+        count = int(bad.sum())
+        self.nonfinite[layer] = self.nonfinite.get(layer, 0) + count
+        self._warn_once(
+            layer,
+            f"attn_monitor: {layer!r}: {count} queries met NaN or inf in their queries, keys or attention "
+            "weights (a diverging model?); they are left out of the entropy statistics and training goes on.",
+        )
+        return sample & ~bad
 
-def _matches(name: str, pattern: str) -> bool:
-    return name == pattern or fnmatch.fnmatchcase(name, pattern)
+
+def _without_nonfinite(call: AttentionCall) -> tuple[AttentionCall, Tensor | None]:
+    """``call`` with its non-finite values replaced, and the (batch, heads, query) queries they reached.
+
+    The replacements (0 in q and k, a uniform row of weights) only keep the
+    entropy functions from raising; those queries' values are discarded.
+    None when every value is finite.
+    """
+    # A sum is NaN or inf when any term is (or, harmlessly, when it overflows), and far cheaper
+    # than an elementwise isfinite on CPU; the exact check runs only when it fails.
+    if call.probs is not None:
+        if bool(torch.isfinite(call.probs.sum(dtype=torch.float32))):
+            return call, None
+        bad = ~torch.isfinite(call.probs)
+        reached = (bad & call.support.dense()).any(-1) | bad.all(-1)
+        probs = torch.where(reached[..., None], 1.0, call.probs.masked_fill(bad, 0.0))
+        return replace(call, probs=probs), reached
+    if call.q is None or call.k is None:
+        return call, None
+    if bool(torch.isfinite(call.q.sum(dtype=torch.float32) + call.k.sum(dtype=torch.float32))):
+        return call, None
+    bad_q, bad_k = (~torch.isfinite(t.sum(-1, dtype=torch.float32)) for t in (call.q, call.k))
+    if not (bad_q.any() or bad_k.any()):
+        return call, None
+    reached = bad_q
+    if bad_k.any():
+        keys = bad_k.repeat_interleave(call.q.shape[1] // call.k.shape[1], dim=1)
+        reached = reached | (call.support.dense() & keys[..., None, :]).any(-1)
+    q, k = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (call.q, call.k))
+    return replace(call, q=q, k=k), reached
 
 
 def _is_attention_leaf(module: nn.Module) -> bool:

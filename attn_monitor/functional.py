@@ -39,6 +39,7 @@ __all__ = [
     "attention_entropy",
     "attention_lse",
     "attention_max_logit",
+    "coarsen",
     "entropy_from_logits",
     "entropy_from_qk",
     "histogram_quantile",
@@ -536,6 +537,19 @@ def histogram_quantile(counts: Tensor, q: float, *, low: float = 0.0, high: floa
     width = (high - low) / bins
     value = low + (index.to(torch.float64) + fraction) * width
     return torch.where(total > 0, value, torch.full_like(value, math.nan)).squeeze(-1)
+
+
+def coarsen(counts: Tensor, bins: int) -> Tensor:
+    """Merge adjacent bins of ``counts`` (..., fine) into ``bins`` (fine must be a multiple).
+
+    Example:
+        >>> coarsen(torch.tensor([1.0, 2.0, 3.0, 4.0]), 2)
+        tensor([3., 7.])
+    """
+    fine = counts.shape[-1]
+    if bins < 1 or fine % bins:
+        raise ValueError(f"Expected `bins` to divide the {fine} fine bins, got {bins}.")
+    return counts.reshape(*counts.shape[:-1], bins, fine // bins).sum(-1)
 
 
 # --------------------------------------------------------------------------- input values

@@ -10,9 +10,9 @@ summarise each, compare the two summaries head by head. This example:
 2. loads each checkpoint into a fresh model and runs
    :func:`~attn_monitor.capture.evaluate_attention` on the same fixed
    validation batches, writing each summary with
-   :func:`~attn_monitor.compare.save_summary`;
+   :func:`~attn_monitor.comparison.save_summary`;
 3. loads both summaries back, compares them with
-   :func:`~attn_monitor.compare.compare` and prints the ten heads whose
+   :func:`~attn_monitor.comparison.compare` and prints the ten heads whose
    entropy distribution moved most (Wasserstein-1 distance), then writes the
    layer x head heatmap of W1 to ``docs/compare_w1.png``;
 4. runs the same comparison with the command line, as you would from a shell::

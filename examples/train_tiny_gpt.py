@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from attn_monitor.callback import AttentionEntropyMonitor
-from attn_monitor.logging import save_heatmap
+from attn_monitor.figures import save_heatmap
 from attn_monitor.metric import EntropySummary
 
 PAD, BOS = 0, 1

@@ -14,12 +14,14 @@ sequences of 12 with right padding.
 * :class:`MemoryLogger`: a Lightning logger that keeps what it is given.
 
 Both modules take dict batches ``{"input_ids", "attention_mask"}`` and can be
-told to raise inside a validation or training step.
+told to raise inside a validation or training step; :class:`TinyGPT` can be
+told to diverge (NaN activations) on one validation batch.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any
@@ -125,7 +127,9 @@ class _LMSteps(pl.LightningModule):
 
     fail_on_val_batch: int | None = None
     fail_on_train_batch: int | None = None
+    nan_on_val_batch: int | None = None
     lr: float
+    _diverging = False
 
     def _maybe_fail(self, kind: str, batch_idx: int) -> None:
         target = self.fail_on_val_batch if kind == "val" else self.fail_on_train_batch
@@ -138,9 +142,13 @@ class _LMSteps(pl.LightningModule):
         self.log("train_loss", loss, on_step=True, on_epoch=False)
         return loss
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         self._maybe_fail("val", batch_idx)
-        self.log("val_loss", lm_loss(self(**batch), batch))
+        self._diverging = batch_idx == self.nan_on_val_batch
+        try:
+            self.log("val_loss", lm_loss(self(**batch), batch))
+        finally:
+            self._diverging = False
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
@@ -160,7 +168,8 @@ class TinyGPT(_LMSteps):
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def embed(self, input_ids: Tensor) -> Tensor:
-        return self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+        x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+        return x * math.nan if self._diverging else x
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         x = self.embed(input_ids)

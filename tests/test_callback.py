@@ -688,17 +688,27 @@ def test_explicit_batch_indices(tmp_path: Path) -> None:
     assert int(summary.count.sum()) == count_queries(gpt_reference(model.state_dict(), chosen))
 
 
+def _draw(seed: int, population: int, count: int) -> tuple[int, ...]:
+    """The documented draw, computed here: ``random.Random(seed + dataloader_idx)``, dataloader 0."""
+    return tuple(sorted(random.Random(seed).sample(range(population), count)))
+
+
 def test_random_sample_same_indices_every_epoch_and_after_reload(tmp_path: Path) -> None:
-    seed = next(s for s in range(100) if sorted(random.Random(s).sample(range(6), 2)) != [0, 1])
+    # A seed whose draw is neither the first batches nor the draw of seed 0, so that a draw
+    # ignoring `seed` (or not drawing at all) records other batches and logs other means.
+    seed = next(s for s in range(1, 100) if _draw(s, 6, 2) not in {(0, 1), _draw(0, 6, 2)})
+    indices = _draw(seed, 6, 2)
     monitor = AttentionEntropyMonitor(batches=2, random_sample=True, seed=seed, histogram_bins=None, heatmap=False)
     logger, trainer, model, val = _fit_memory(tmp_path, monitor, max_epochs=2, enable_checkpointing=True)
-    indices = monitor.sampled_indices(len(val))
-    assert len(indices) == 2 and len(set(indices)) == 2 and all(0 <= i < len(val) for i in indices)
     want = _reference_means(model, [val[i] for i in indices])
+    assert want != pytest.approx(_reference_means(model, [val[i] for i in _draw(0, 6, 2)]), abs=MEAN_TOL)
     means = _layer_means(logger)
     assert len(means) == 2
     for epoch_means in means:  # the same draw in both epochs
         assert epoch_means == pytest.approx(want, abs=MEAN_TOL)
+    summary = monitor.last_summary
+    assert summary is not None
+    assert int(summary.count.sum()) == count_queries(gpt_reference(model.state_dict(), [val[i] for i in indices]))
 
     # state_dict round trip: a monitor with another seed that loads the state uses the same batches.
     other = AttentionEntropyMonitor(batches=2, random_sample=True, seed=seed + 1)
@@ -712,7 +722,6 @@ def test_random_sample_same_indices_every_epoch_and_after_reload(tmp_path: Path)
     logger2 = lm.MemoryLogger()
     trainer2 = make_trainer(tmp_path, loggers=[logger2], callbacks=[resumed], max_epochs=3, limit_train_batches=2)
     trainer2.fit(lm.TinyGPT(lr=0.0), lm.loader(lm.make_batches(2, seed=10)), lm.loader(val), ckpt_path=str(checkpoint))
-    assert resumed.sampled_indices(len(val)) == indices
     resumed_means = _layer_means(logger2)
     assert len(resumed_means) == 1
     assert resumed_means[0] == pytest.approx(want, abs=MEAN_TOL)
@@ -909,3 +918,164 @@ def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch:
     ((_, single_scalars),) = [(s, m) for s, m in single_logger.records if f"{PREFIX}/mean" in m]
     for name, value in scalars.items():
         assert value == pytest.approx(single_scalars[name], abs=1e-9), name
+
+
+# --------------------------------------------------------------------------- two monitors, several dataloaders
+
+
+def test_two_monitors_in_one_trainer_fit_save_and_resume(tmp_path: Path) -> None:
+    """One monitor per layer under its own prefix; each keeps its own checkpoint state through a resume."""
+    val = lm.make_batches(6, seed=11)
+    seeds = {"attn_a": 3, "attn_b": 4}  # different draws, so a mixed-up state shows
+
+    def monitors(seed_offset: int) -> list[AttentionEntropyMonitor]:
+        return [
+            AttentionEntropyMonitor(
+                prefix=prefix,
+                layers=[layer],
+                batches=2,
+                random_sample=True,
+                seed=seeds[prefix] + seed_offset,
+                histogram_bins=None,
+                heatmap=False,
+            )
+            for prefix, layer in zip(seeds, lm.GPT_LAYERS, strict=True)
+        ]
+
+    draws = {prefix: _draw(seed, len(val), 2) for prefix, seed in seeds.items()}
+    assert draws["attn_a"] != draws["attn_b"]
+    first = monitors(0)
+    assert first[0].state_key != first[1].state_key
+    logger, trainer, model, _ = _fit_memory(tmp_path, first[0], extra_callbacks=[first[1]], max_epochs=1)
+
+    def check(records: list[tuple[int | None, dict[str, float]]]) -> None:
+        for (prefix, indices), layer in zip(draws.items(), lm.GPT_LAYERS, strict=True):
+            logged = [m for _, m in records if f"{prefix}/mean" in m]
+            assert len(logged) == 1, prefix
+            assert {name.split("/")[1] for name in logged[0] if "/" in name} <= {layer, "mean"}
+            samples = gpt_reference(model.state_dict(), [val[i] for i in indices])[layer]
+            assert logged[0][f"{prefix}/{layer}/mean"] == pytest.approx(float(samples.normalized.mean()), abs=MEAN_TOL)
+
+    check(logger.records)
+    checkpoint = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    saved = torch.load(checkpoint, weights_only=False)["callbacks"]
+    assert {first[0].state_key, first[1].state_key} <= set(saved)
+
+    resumed = monitors(50)  # other seeds: only the loaded states can give the saved draws
+    logger2 = lm.MemoryLogger()
+    trainer2 = make_trainer(tmp_path, loggers=[logger2], callbacks=resumed, max_epochs=2, limit_train_batches=2)
+    trainer2.fit(lm.TinyGPT(lr=0.0), lm.loader(lm.make_batches(2, seed=10)), lm.loader(val), ckpt_path=str(checkpoint))
+    check(logger2.records)
+    # The same prefix twice would write the same names and states: Lightning refuses it, naming state_key.
+    with pytest.raises(RuntimeError, match="state_key"):
+        make_trainer(tmp_path, callbacks=[AttentionEntropyMonitor(), AttentionEntropyMonitor()])
+
+
+def test_two_validation_dataloaders_are_kept_apart(tmp_path: Path) -> None:
+    """Every logged name ends in /dataloader_idx_{i}; each value is its own loader's reference."""
+    in_domain = lm.make_batches(2, seed=11)
+    # Other domain: full-length rows of a few repeated tokens (different attention from the random ids).
+    out_domain = [
+        {
+            "input_ids": (torch.arange(lm.SEQ) % 3 + 1).repeat(lm.BATCH, 1),
+            "attention_mask": torch.ones(lm.BATCH, lm.SEQ),
+        }
+        for _ in range(2)
+    ]
+    monitor = AttentionEntropyMonitor(batches=2)
+    tensorboard = TensorBoardLogger(tmp_path, name="tb")
+    model = lm.TinyGPT(lr=0.0)
+    with torch.no_grad():  # larger logits: spread attention that depends on the input
+        for block in model.blocks:
+            block.attn.c_attn.weight.mul_(3.0)
+    trainer = make_trainer(tmp_path, loggers=[tensorboard], callbacks=[monitor], max_epochs=1, limit_train_batches=1)
+    trainer.fit(model, lm.loader(lm.make_batches(1, seed=10)), [lm.loader(in_domain), lm.loader(out_domain)])
+
+    accumulator = read_tensorboard(tensorboard.log_dir)
+    scalars = {t for t in accumulator.Tags()["scalars"] if t.startswith(PREFIX + "/")}
+    want = {f"{name}/dataloader_idx_{i}" for name in expected_names(lm.GPT_LAYERS) for i in (0, 1)}
+    assert scalars == want
+    assert {t for t in accumulator.Tags()["histograms"] if t.startswith(PREFIX)} == {
+        f"{PREFIX}/{layer}/hist/dataloader_idx_{i}" for layer in lm.GPT_LAYERS for i in (0, 1)
+    }
+    assert set(accumulator.Tags()["images"]) == {f"{PREFIX}/heatmap/dataloader_idx_{i}" for i in (0, 1)}
+    references = [gpt_reference(model.state_dict(), batches) for batches in (in_domain, out_domain)]
+    for index, samples in enumerate(references):
+        logged = {
+            name.removesuffix(f"/dataloader_idx_{index}"): accumulator.Scalars(name)[0].value
+            for name in scalars
+            if name.endswith(f"/dataloader_idx_{index}")
+        }
+        check_against_reference(logged, samples)
+    layer_means = [[float(samples[layer].normalized.mean()) for layer in lm.GPT_LAYERS] for samples in references]
+    gap = max(abs(a - b) for a, b in zip(*layer_means, strict=True))
+    assert gap > 0.03, "the two loaders must differ in attention for this test to mean anything"
+    assert set(monitor.last_summaries) == {0, 1}
+
+
+# --------------------------------------------------------------------------- a diverging model
+
+
+def test_nan_in_validation_warns_once_per_layer_and_training_goes_on(tmp_path: Path) -> None:
+    """Validation batch 1 of 2 turns every activation into NaN: the monitor skips and reports it, never raises."""
+    monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None, heatmap=False)
+    model = lm.TinyGPT(lr=0.0)
+    model.nan_on_val_batch = 1
+    val = lm.make_batches(2, seed=11)
+    logger = lm.MemoryLogger()
+    trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor], max_epochs=2, limit_train_batches=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, lm.loader(lm.make_batches(1, seed=10)), lm.loader(val))
+    assert trainer.current_epoch == 2 and trainer.global_step == 2  # both epochs ran
+    reports = [str(w.message) for w in caught if "NaN or inf" in str(w.message)]
+    real_queries = int(val[1]["attention_mask"].sum()) * lm.HEADS
+    assert sorted(reports) == sorted(
+        f"attn_monitor: {layer!r}: {real_queries} queries met NaN or inf in their queries, keys or attention "
+        "weights (a diverging model?); they are left out of the entropy statistics and training goes on."
+        for layer in lm.GPT_LAYERS
+    )
+    # What is logged is the finite batch alone, both epochs.
+    want = _reference_means(model, val[:1])
+    assert _layer_means(logger) == [pytest.approx(want, abs=MEAN_TOL)] * 2
+    summary = monitor.last_summary
+    assert summary is not None
+    assert int(summary.count.sum()) == count_queries(gpt_reference(model.state_dict(), val[:1]))
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_memory_stays_flat_over_100_validation_epochs(tmp_path: Path) -> None:
+    """Live tensors and Python objects after validation epoch 10 and epoch 100 are the same."""
+    import gc
+
+    counts: dict[int, tuple[int, int]] = {}
+
+    class Probe(pl.Callback):  # runs after the monitor's epoch end (callback order)
+        def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if trainer.current_epoch in (9, 99):
+                gc.collect()
+                objects = gc.get_objects()
+                counts[trainer.current_epoch] = (sum(isinstance(o, Tensor) for o in objects), len(objects))
+
+    class LastRecord(lm.MemoryLogger):  # keeps one record, so the logger itself does not grow
+        def log_metrics(self, metrics: Any, step: int | None = None) -> None:
+            self.records[:] = [(step, dict(metrics))]
+
+    monitor = AttentionEntropyMonitor(batches=1, histogram_bins=None, heatmap=False, train_every_n_steps=1)
+    trainer = make_trainer(
+        tmp_path,
+        loggers=[LastRecord()],
+        callbacks=[monitor, Probe()],
+        max_epochs=100,
+        limit_train_batches=1,
+        limit_val_batches=1,
+    )
+    trainer.fit(lm.TinyGPT(lr=0.0), lm.loader(lm.make_batches(1, seed=0)), lm.loader(lm.make_batches(1, seed=1)))
+    assert monitor.last_summary is not None
+    tensors_10, objects_10 = counts[9]
+    tensors_100, objects_100 = counts[99]
+    assert tensors_100 == tensors_10, counts
+    assert objects_100 - objects_10 < 500, counts  # no growth per epoch (90 epochs in between)

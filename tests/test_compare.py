@@ -23,7 +23,7 @@ import torch
 
 from attn_monitor import AttentionEntropy, EntropySummary
 from attn_monitor.__main__ import main
-from attn_monitor.compare import (
+from attn_monitor.comparison import (
     FORMAT_NAME,
     FORMAT_VERSION,
     REMINDER,
@@ -125,7 +125,7 @@ def test_saved_file_is_the_documented_plain_dict(tmp_path: Path) -> None:
 
 def test_format_covers_every_metric_statistic() -> None:
     # The file format lists its statistics itself; a new statistic in the metric needs a format version bump.
-    from attn_monitor.compare import _STATS_V1
+    from attn_monitor.comparison import _STATS_V1
     from attn_monitor.metric import _STATE_KINDS
 
     assert set(_STATS_V1) == set(_STATE_KINDS)
@@ -414,6 +414,13 @@ def test_heatmap_writes_a_png(tmp_path: Path, value: str) -> None:
     comparison = compare(
         summary_of({"l0": base, "l1": base[:, :2]}), summary_of({"l0": base - 0.05, "l1": base[:, :2] + 0.1})
     )
+    # What the heatmap draws: every shift of layer 0 is -0.05, of layer 1 +0.1; layer 1 has no head 2.
+    want = {"w1": (0.05, 0.1), "mean_shift": (-0.05, 0.1), "median_shift": (-0.05, 0.1)}[value]
+    grid = getattr(comparison, value)
+    tolerance = 1e-9 if value == "mean_shift" else 2 * comparison.bin_width
+    assert grid[0].tolist() == pytest.approx([want[0]] * 3, abs=tolerance)
+    assert grid[1, :2].tolist() == pytest.approx([want[1]] * 2, abs=tolerance)
+    assert math.isnan(float(grid[1, 2]))
     path = tmp_path / f"{value}.png"
     comparison.heatmap(path, value=value)  # type: ignore[arg-type]
     assert path.read_bytes()[:8] == PNG_MAGIC

@@ -986,7 +986,7 @@ def test_collapse_drop_relative_to_first_epoch_and_state_round_trip(tmp_path: Pa
         assert counts[layer][0] == 0.0 and counts[layer][1] > 0.0, counts
     alerts = _warnings_matching(record, "entropy collapse")
     assert alerts and all("first monitored epoch" in alert for alert in alerts)
-    first = monitor._first_medians
+    first = monitor.collapse.baselines[0]
     assert first is not None and first.shape == (LAYERS, HEADS)
     assert (monitor.last_summary.quantile(0.5) < first).all()
 
@@ -996,7 +996,7 @@ def test_collapse_drop_relative_to_first_epoch_and_state_round_trip(tmp_path: Pa
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)
     restored = AttentionEntropyMonitor(**monitor_options(collapse_drop=0.2))
     restored.load_state_dict(loaded)
-    assert torch.equal(restored._first_medians, first)
+    assert torch.equal(restored.collapse.baselines[0], first)
 
     # The restored baseline is what later drops are measured against: a sharp model alerts at once ...
     logger = lm.MemoryLogger()

@@ -48,10 +48,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attn_monitor.logging import coarsen, layer_head_figure
+from attn_monitor.figures import layer_head_figure
+from attn_monitor.functional import coarsen
 from attn_monitor.metric import EntropySummary
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "REMINDER", "Comparison", "compare", "load_summary", "save_summary"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "REMINDER",
+    "Comparison",
+    "SummaryArchive",
+    "compare",
+    "load_summary",
+    "save_summary",
+]
 
 #: Value of the ``"format"`` key of a saved summary.
 FORMAT_NAME = "attn_monitor.EntropySummary"
@@ -125,6 +135,36 @@ def save_summary(summary: EntropySummary, path: str | os.PathLike[str]) -> None:
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
+
+
+class SummaryArchive:
+    """One saved summary per monitored epoch in ``directory``: ``epoch{n}.pt``.
+
+    With several validation dataloaders each gets its own file,
+    ``epoch{n}_dataloader_idx_{i}.pt``.
+
+    Example:
+        >>> import math, os, tempfile, torch
+        >>> from attn_monitor import AttentionEntropy
+        >>> metric = AttentionEntropy()
+        >>> metric.update("layer.0", torch.full((1, 1, 2), math.log(4.0)), torch.tensor(4))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     archive = SummaryArchive(os.path.join(folder, "attn_entropy"))
+        ...     path = archive.save(metric.compute(), epoch=3, dataloader_idx=1)
+        ...     os.path.basename(path), load_summary(path).layers
+        ('epoch3_dataloader_idx_1.pt', ['layer.0'])
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = os.fspath(directory)
+
+    def save(self, summary: EntropySummary, epoch: int, dataloader_idx: int | None = None) -> str:
+        """Save ``summary`` as the given epoch's (and dataloader's); returns the path."""
+        os.makedirs(self.directory, exist_ok=True)
+        suffix = "" if dataloader_idx is None else f"_dataloader_idx_{dataloader_idx}"
+        path = os.path.join(self.directory, f"epoch{epoch}{suffix}.pt")
+        save_summary(summary, path)
+        return path
 
 
 def load_summary(path: str | os.PathLike[str]) -> EntropySummary:

@@ -1,0 +1,225 @@
+"""What the monitor records: one capture on the model, one set of metrics per purpose.
+
+A :class:`Recorder` attaches one :class:`~attn_monitor.capture.AttentionCapture`
+to the watched model and keeps a :class:`Stream` per purpose (each
+validation dataloader, the training steps). A recording names its stream,
+and the stream's consumers are handed to the capture when the recording
+starts; nothing is reassigned afterwards. No Lightning here: the callback
+passes the module, the batch and its strategy's ``broadcast``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attn_monitor.capture import (
+    Adapter,
+    AttentionCapture,
+    Consumer,
+    EntropyUpdate,
+    default_document_ids,
+    default_padding_mask,
+)
+from attn_monitor.diagnostics import MassDiagnostics
+from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
+from attn_monitor.shared import matches
+
+__all__ = ["BatchMask", "Recorder", "Stream"]
+
+#: ``function(batch) -> (batch, seq) tensor | None``: the padding mask or document ids of a batch.
+BatchMask = Callable[[Any], "Tensor | None"]
+#: ``broadcast(obj, src=0)``: rank zero's ``obj`` on every rank (Lightning: ``trainer.strategy.broadcast``).
+Broadcast = Callable[..., Any]
+
+
+@dataclass
+class Stream:
+    """The metrics one purpose fills: entropy, and mass diagnostics where asked for."""
+
+    entropy: AttentionEntropy
+    diagnostics: MassDiagnostics | None = None
+    update: EntropyUpdate = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.update = EntropyUpdate(self.entropy)
+
+    @property
+    def consumers(self) -> list[Consumer]:
+        return [self.update] if self.diagnostics is None else [self.update, self.diagnostics]
+
+
+class Recorder:
+    """Capture attention of a model on chosen batches into per-purpose metrics.
+
+    Args:
+        padding_mask: ``padding_mask(batch) -> (batch, seq)`` real tokens;
+            default: a dict batch's ``attention_mask``.
+        document_ids: ``document_ids(batch) -> (batch, seq)``; default: a dict
+            batch's ``document_ids``.
+        module: ``module(root) -> nn.Module`` to watch (default: the root).
+        layers: layer name patterns; each must match a module at :meth:`attach`.
+        adapters: module name pattern -> adapter (see :class:`AttentionCapture`).
+        num_bins: histogram bins of every entropy metric.
+        include_single_key: count one-key queries (see :class:`AttentionEntropy`).
+        sink_tokens, eviction, leakage: mass diagnostics of the streams that
+            ask for them (see :class:`MassDiagnostics`).
+
+    Raises:
+        TypeError, ValueError: a bad argument, named.
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+        >>> recorder = Recorder()
+        >>> recorder.attach(layer)
+        >>> with torch.no_grad(), recorder.recording("validation", torch.randn(2, 5, 8)):
+        ...     _ = layer(torch.randn(2, 5, 8))
+        >>> summary, masses = recorder.collect("validation")
+        >>> summary.layers, int(summary.count.sum()), masses
+        (['self_attn'], 20, None)
+        >>> recorder.release()
+    """
+
+    def __init__(
+        self,
+        *,
+        padding_mask: BatchMask | None = None,
+        document_ids: BatchMask | None = None,
+        module: Callable[[Any], nn.Module] | None = None,
+        layers: Sequence[str] | None = None,
+        adapters: Mapping[str, Adapter] | None = None,
+        num_bins: int = 1000,
+        include_single_key: bool = False,
+        sink_tokens: int | None = None,
+        eviction: Sequence[tuple[int, int]] = (),
+        leakage: bool = False,
+    ) -> None:
+        for name, value in (("padding_mask", padding_mask), ("document_ids", document_ids), ("module", module)):
+            if value is not None and not callable(value):
+                raise TypeError(f"Expected `{name}` to be callable, got {type(value).__name__}.")
+        if isinstance(layers, str):
+            raise TypeError(f"Expected `layers` to be a sequence of patterns, got the string {layers!r}.")
+        self.padding_mask = padding_mask or default_padding_mask
+        self.document_ids = document_ids or default_document_ids
+        self.module = module
+        self.layers = None if layers is None else list(layers)
+        self.adapters = dict(adapters or {})
+        self.num_bins = num_bins
+        self.include_single_key = bool(include_single_key)
+        # Checks the arguments now, not at the first stream; each stream gets a copy.
+        self._diagnostics = MassDiagnostics(sink_tokens=sink_tokens, eviction=eviction, leakage=leakage)
+        self.diagnostics = self._diagnostics.enabled
+        self.capture: AttentionCapture | None = None
+        self.streams: dict[Hashable, Stream] = {}
+        self._device = torch.device("cpu")
+
+    @property
+    def attached(self) -> bool:
+        return self.capture is not None
+
+    def attach(self, root: nn.Module, device: torch.device | str = "cpu") -> None:
+        """Find the attention of ``module(root)`` and put the capture's hooks on it (once).
+
+        Raises:
+            TypeError: ``module(root)`` is not an ``nn.Module``.
+            ValueError: a layer pattern matches no module.
+        """
+        if self.capture is not None:
+            return
+        model = self.module(root) if self.module is not None else root
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Expected `module(pl_module)` to return an nn.Module, got {type(model).__name__}.")
+        if self.layers is not None:
+            names = [name for name, _ in model.named_modules() if name]
+            unmatched = [p for p in self.layers if not any(matches(name, p) for name in names)]
+            if unmatched:
+                raise ValueError(f"Layer patterns {unmatched} match no module of {type(model).__name__}.")
+        self._device = torch.device(device)
+        self.capture = AttentionCapture(model, layers=self.layers, adapters=self.adapters).attach()
+
+    def release(self) -> None:
+        """Remove the capture's hooks; the streams stay."""
+        if self.capture is not None:
+            self.capture.detach()
+            self.capture = None
+
+    def stream(self, key: Hashable, *, diagnostics: bool = True) -> Stream:
+        """The stream of ``key``, made on first use (with mass diagnostics if on and ``diagnostics``)."""
+        if key not in self.streams:
+            entropy = AttentionEntropy(num_bins=self.num_bins, include_single_key=self.include_single_key)
+            masses = None
+            if diagnostics and self.diagnostics:
+                template = self._diagnostics
+                masses = MassDiagnostics(
+                    sink_tokens=template.sink_tokens,
+                    eviction=template.eviction,
+                    leakage=template.leakage,
+                    metric=AttentionMass().to(self._device),
+                )
+            self.streams[key] = Stream(entropy.to(self._device), masses)
+        return self.streams[key]
+
+    @contextmanager
+    def recording(self, key: Hashable, batch: Any, *, diagnostics: bool = True) -> Iterator[None]:
+        """Record the attention calls inside the block into the stream ``key``.
+
+        Raises:
+            RuntimeError: not attached.
+        """
+        if self.capture is None:
+            raise RuntimeError("Attach the recorder to a model before recording.")
+        stream = self.stream(key, diagnostics=diagnostics)
+        with self.capture.recording(self.padding_mask(batch), self.document_ids(batch), consumers=stream.consumers):
+            yield
+
+    @property
+    def saw_nothing(self) -> bool:
+        """Batches were recorded but no attention call was seen in them."""
+        return self.capture is not None and self.capture.num_recordings > 0 and self.capture.num_calls == 0
+
+    def collect(
+        self, key: Hashable, broadcast: Broadcast | None = None
+    ) -> tuple[EntropySummary | None, MassSummary | None]:
+        """Compute and reset the stream ``key`` (a collective under DDP: every rank calls it).
+
+        Args:
+            key: the stream.
+            broadcast: ``broadcast(obj, src=0)`` of the distributed strategy
+                (None: one process).
+
+        Returns:
+            The entropy summary (None when no rank recorded any layer) and the
+            mass summary (None when diagnostics are off or nothing was recorded).
+        """
+        stream = self.stream(key)
+        summary = _compute(stream.entropy, broadcast)
+        masses = None if stream.diagnostics is None else _compute(stream.diagnostics.metric, broadcast)
+        return summary, masses
+
+
+def _compute(metric: Any, broadcast: Broadcast | None) -> Any:
+    """``metric.compute()`` then reset; None when rank zero holds no layer."""
+    if not (_share_layers(metric, broadcast) if broadcast is not None else metric.layers):
+        metric.reset()
+        return None
+    summary = metric.compute()
+    metric.reset()
+    return summary
+
+
+def _share_layers(metric: AttentionEntropy | AttentionMass, broadcast: Broadcast) -> bool:
+    """Register rank zero's layers on every rank, so that every rank sums the same states.
+
+    A rank whose shard had no sampled batch holds no layer yet. Returns
+    whether rank zero holds any (the same answer on every rank).
+    """
+    layers = broadcast([(name, metric.num_heads(name)) for name in metric.layers], src=0)
+    for name, heads in layers:
+        metric.register_layer(name, heads)
+    return bool(layers)
