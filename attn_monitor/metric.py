@@ -214,7 +214,7 @@ class LayerMetric(Metric):
         maxes = [_arrange(values, list(layout), layers, -math.inf) for layout, values in gathered]
         self.maxes = torch.stack(maxes).amax(0).to(self.device)
 
-    def _copy_state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def _copy_state_dict(self) -> dict[str, Any]:
         # sync()/unsync() and forward() restore this snapshot attribute by
         # attribute: the layer list must come back with the rows it names.
         return {**super()._copy_state_dict(), "_layer_heads": dict(self._layer_heads)}
