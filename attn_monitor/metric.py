@@ -185,9 +185,7 @@ class LayerMetric(Metric):
         return out
 
     def _lay_out(self, rows: Sequence[str], layers: Mapping[str, int]) -> None:
-        """Rebuild both states laid out as ``layers``, moving the current rows (named ``rows``) by name."""
-        if list(rows) == list(layers) and dict(layers) == self._layer_heads:
-            return  # already laid out so (a sync among ranks that hold the same layers)
+        """Lay both states out as ``layers``, moving the current rows (named ``rows``) by name."""
         for state, (_, fill) in _STATES.items():
             setattr(self, state, _arrange(getattr(self, state), rows, layers, fill))
         self._layer_heads = dict(layers)
@@ -235,7 +233,7 @@ class LayerMetric(Metric):
                 f"Expected a {type(self).__name__} to merge (its layers are matched by name), "
                 f"got {type(incoming_state).__name__}."
             )
-        self._check_config(incoming_state._config, "the incoming metric")
+        self._check_config(incoming_state._config, "merge the incoming metric into")
         layers = _union({"this metric": self._layer_heads, "the incoming metric": incoming_state._layer_heads})
         self._lay_out(self.layers, layers)
         rows = incoming_state.layers
@@ -253,7 +251,7 @@ class LayerMetric(Metric):
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         """Load a saved state: the saved layers replace or join this metric's, by name."""
-        self._check_config(state.get("config"), "the saved state")
+        self._check_config(state.get("config"), "load the saved state into")
         saved = {str(name): int(heads) for name, heads in state["layers"]}
         expected = (len(saved), max(saved.values(), default=0))
         for name in _STATES:
@@ -262,14 +260,14 @@ class LayerMetric(Metric):
                 raise ValueError(f"The saved `{name}` has shape {got}, which does not fit its layers {saved}.")
         layers = _union({"this metric": self._layer_heads, "the saved state": saved})
         # Layers only this metric had start empty: loading replaces the statistics.
-        self.sums, self.maxes = state["sums"].to(self.device), state["maxes"].to(self.device)
+        self.sums, self.maxes = (state[name].to(self.device, torch.float64, copy=True) for name in _STATES)
         self._lay_out(list(saved), layers)
 
-    def _check_config(self, other: object, source: str) -> None:
+    def _check_config(self, other: object, action: str) -> None:
         if other != self._config:
             raise ValueError(
-                f"Cannot combine {source}, made by a {type(self).__name__} with {_describe_config(other)}, "
-                f"with this one, which has {_describe_config(self._config)}."
+                f"Cannot {action} this {type(self).__name__}: it was made with {_describe_config(other)}, "
+                f"this one has {_describe_config(self._config)}."
             )
 
 
@@ -296,9 +294,15 @@ def _union(layouts: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
 
 
 def _arrange(rows: Tensor, names: Sequence[str], layers: Mapping[str, int], fill: float) -> Tensor:
-    """``rows`` (one per name in ``names``) at their layers' places in ``layers``; every other slot ``fill``."""
+    """``rows`` (one per name in ``names``) at their layers' places in ``layers``; every other slot ``fill``.
+
+    Rows already laid out so come back as they are (no copy).
+    """
+    heads = max(layers.values(), default=0)
+    if list(names) == list(layers) and rows.shape[1] == heads:
+        return rows
     position = {name: index for index, name in enumerate(layers)}
-    out = rows.new_full((len(layers), max(layers.values(), default=0), rows.shape[-1]), fill)
+    out = rows.new_full((len(layers), heads, rows.shape[-1]), fill)
     index = torch.tensor([position[name] for name in names], dtype=torch.long, device=rows.device)
     out[index, : rows.shape[1]] = rows
     return out

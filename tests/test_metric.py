@@ -555,15 +555,17 @@ def test_state_dict_round_trip_into_fresh_metric() -> None:
     metric, _ = _filled_metric()
     state = metric.state_dict()
     assert set(state) == {"_extra_state"}  # layer list, configuration and the packed statistics together
+    saved = copy.deepcopy(state)
     fresh = AttentionEntropy()
     fresh.load_state_dict(state)  # strict: every key must find its state
     assert fresh.layers == list(LAYERS) and [fresh.num_heads(n) for n in LAYERS] == list(LAYERS.values())
     assert_same_summary(fresh.compute(), metric.compute())
-    # It keeps accumulating like the original.
+    # It keeps accumulating like the original, and leaves the loaded dict alone.
     extra = make_batches(99, 2, 2)
     feed(fresh, "enc.1", extra)
     feed(metric, "enc.1", extra)
     assert_same_states(fresh, metric)
+    assert torch.equal(state["_extra_state"]["sums"], saved["_extra_state"]["sums"])
 
 
 @pytest.mark.filterwarnings("ignore:The ``compute`` method:UserWarning")
