@@ -675,7 +675,8 @@ def _describe(value: object) -> str:
 class MassSummary(_Summary):
     """What :class:`AttentionMass` accumulated: per (key, head) distributions of a mass in [0, 1].
 
-    Keys are ``{diagnostic}/{layer}``, e.g. ``sink_mass/blocks.0.attn``.
+    Keys are ``{diagnostic}/{layer}``, e.g. ``sink_mass/blocks.0.attn``;
+    ``nonfinite`` (L, H) counts sample queries whose mass was NaN or infinite.
     """
 
     def to_dict(self, prefix: str = "attn", *, per_head: bool = False) -> dict[str, float]:
