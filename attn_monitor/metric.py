@@ -158,7 +158,7 @@ class LayerMetric(Metric):
             return
         self._lay_out(self.layers, {**self._layer_heads, name: num_heads})
 
-    def accumulate(self, layer: str, **values: Tensor) -> None:
+    def accumulate(self, layer: str, /, **values: Tensor) -> None:
         """Fold per-head values of a registered layer into its fields.
 
         Args:
@@ -273,7 +273,7 @@ class LayerMetric(Metric):
 
 def _describe_config(config: object) -> str:
     if not isinstance(config, Mapping):
-        return "an unknown configuration"
+        return "unknown settings"
     return ", ".join(f"{key}={value!r}" for key, value in config.items()) or "no settings"
 
 
