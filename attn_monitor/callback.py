@@ -261,7 +261,7 @@ class AttentionEntropyMonitor(Callback):
         loaders = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
         count = max(len(loaders), 1)
         for index in range(count):  # the same on every rank: each compute is a collective
-            summary, masses = self.recorder.collect(index, trainer.strategy.broadcast)
+            summary, masses = self.recorder.collect(index)
             if summary is None:
                 continue
             self.last_summaries[index] = summary
@@ -301,7 +301,7 @@ class AttentionEntropyMonitor(Callback):
             return
         self._training_step = False
         self._recording.close()
-        summary, _ = self.recorder.collect(TRAIN, trainer.strategy.broadcast)
+        summary, _ = self.recorder.collect(TRAIN)
         if summary is not None and trainer.is_global_zero:
             self.options.write(trainer.loggers, summary, trainer.global_step, prefix=f"{self.options.prefix}_train")
         self._warn_if_blind()

@@ -755,8 +755,6 @@ class EntropyUpdate:
             raise TypeError(f"Expected `metric` to be an AttentionEntropy, got {type(metric).__name__}.")
         self.metric = metric
         self.method = method
-        #: Layer -> queries left out because non-finite values reached them.
-        self.nonfinite: dict[str, int] = {}
         self._warn_once = WarnOnce()
 
     def __call__(self, call: AttentionCall, sample: Tensor) -> None:
@@ -780,22 +778,20 @@ class EntropyUpdate:
             raise ValueError(f"An AttentionCall of {call.layer!r} holds neither q and k nor probabilities.")
         if reached is not None:
             entropy = entropy.masked_fill(reached, math.nan)
-        sample = self._skip_nonfinite(call.layer, entropy, sample)
+        self._report_nonfinite(call.layer, entropy, sample)
+        # The metric leaves non-finite queries out of its statistics and counts them (``nonfinite``).
         self.metric.update(call.layer, entropy, call.support.num_valid(), sample)
 
-    def _skip_nonfinite(self, layer: str, entropy: Tensor, sample: Tensor) -> Tensor:
-        """Count, report and leave out the sampled queries whose entropy is not finite."""
+    def _report_nonfinite(self, layer: str, entropy: Tensor, sample: Tensor) -> None:
+        """Warn once per layer when sampled queries have non-finite entropy."""
         bad = sample & ~torch.isfinite(entropy)
-        if not bad.any():
-            return sample
-        count = int(bad.sum())
-        self.nonfinite[layer] = self.nonfinite.get(layer, 0) + count
-        self._warn_once(
-            layer,
-            f"attn_monitor: {layer!r}: {count} queries met NaN or inf in their queries, keys or attention "
-            "weights (a diverging model?); they are left out of the entropy statistics and training goes on.",
-        )
-        return sample & ~bad
+        if bad.any():
+            self._warn_once(
+                layer,
+                f"attn_monitor: {layer!r}: {int(bad.sum())} queries met NaN or inf in their queries, keys or "
+                "attention weights (a diverging model?); they are left out of the entropy statistics, counted "
+                "in `nonfinite`, and training goes on.",
+            )
 
 
 def _without_nonfinite(call: AttentionCall) -> tuple[AttentionCall, Tensor | None]:

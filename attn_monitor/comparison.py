@@ -69,8 +69,10 @@ FORMAT_NAME = "attn_monitor.EntropySummary"
 FORMAT_VERSION = 1
 #: The statistics a version-1 file holds: ``hist`` and ``hist_nats`` are (L, H, bins), the rest (L, H).
 _STATS_V1 = ("hist", "hist_nats", "count", "sum", "sum_sq", "sum_nats", "seq_sum", "seq_count", "single_key", "no_key")
+#: Statistics a version-1 file may hold (readers that do not know them skip them); absent means zero.
+_OPTIONAL_V1 = ("nonfinite",)
 _HISTOGRAMS = ("hist", "hist_nats")
-_COUNTS = ("hist", "hist_nats", "count", "seq_count", "single_key", "no_key")
+_COUNTS = ("hist", "hist_nats", "count", "seq_count", "single_key", "no_key", "nonfinite")
 
 #: Last line of every comparison table.
 REMINDER = (
@@ -122,7 +124,10 @@ def save_summary(summary: EntropySummary, path: str | os.PathLike[str]) -> None:
         "layers": [str(layer) for layer in summary.layers],
         "num_heads": [int(heads) for heads in summary.num_heads],
         "max_nats": float(summary.max_nats),
-        "stats": {name: summary.stats(name).detach().to("cpu", torch.float64).contiguous() for name in _STATS_V1},
+        "stats": {
+            name: summary.stats(name).detach().to("cpu", torch.float64).contiguous()
+            for name in _STATS_V1 + _OPTIONAL_V1
+        },
     }
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
@@ -268,7 +273,8 @@ def _summary_from_payload(payload: Any, name: str) -> EntropySummary:
         raise fail(f"`stats` lacks {missing}")
 
     expected = (len(layers), max(num_heads, default=0))
-    for kind in _STATS_V1:
+    kinds = _STATS_V1 + tuple(kind for kind in _OPTIONAL_V1 if kind in stats)
+    for kind in kinds:
         tensor = stats[kind]
         if not isinstance(tensor, Tensor) or tensor.dtype == torch.bool or tensor.is_complex():
             raise fail(f"stats[{kind!r}] must be a real-valued tensor, found {_describe(tensor)}")
@@ -288,7 +294,7 @@ def _summary_from_payload(payload: Any, name: str) -> EntropySummary:
             raise fail(f"stats[{kind!r}] holds NaN or infinite values")
         if kind in _COUNTS and bool((tensor < 0).any()):
             raise fail(f"stats[{kind!r}] holds negative counts")
-    return EntropySummary(layers, num_heads, {kind: stats[kind] for kind in _STATS_V1}, float(max_nats))
+    return EntropySummary(layers, num_heads, {kind: stats[kind] for kind in kinds}, float(max_nats))
 
 
 def _is_newer(version: object) -> bool:

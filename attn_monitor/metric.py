@@ -1,39 +1,34 @@
-"""AttentionEntropy: a running, DDP-exact distribution of attention entropy.
+"""Running, DDP-exact distributions of attention statistics, per layer and head.
 
-State per (layer, head) is a fixed-size set of sufficient statistics that
-reduce by sum (STYLE.md §2): histograms of normalised entropy on [0, 1] and of
-raw entropy in nats, exact sums for means and standard deviations, per-sequence
-sums for sequence-weighted means, and counts of excluded queries. Memory is
-constant however many tokens are seen; merging batches or ranks is addition.
+Every statistic is a fixed-size sufficient statistic per (layer, head) that
+reduces by sum or by max (STYLE.md §2): histogram bin counts, exact sums and
+counts, per-head maxima. :class:`LayerMetric` keeps all of them in two packed
+float64 states with one row per layer, ``sums`` and ``maxes``, named by a
+layer list. Memory is constant however many tokens are seen; merging batches,
+ranks or checkpoints is addition (or a maximum), matched by layer name.
+
+A DDP sync costs three collectives whatever the number of layers: one
+``all_gather_object`` of every rank's layer list with its (small) max state,
+which is itself two all-gathers, then one ``all_reduce`` of the sums.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
 
 from attn_monitor.functional import broadcasts_to, histogram_quantile, normalize_entropy
 
-__all__ = ["AttentionEntropy", "AttentionMass", "EntropySummary", "MassSummary"]
+__all__ = ["AttentionEntropy", "AttentionMass", "EntropySummary", "LayerMetric", "MassSummary"]
 
-#: Per-layer state name suffix -> what it holds, shape (heads, ...) per layer.
-_STATE_KINDS = (
-    "hist",  # (H, num_bins) counts of normalised entropy
-    "hist_nats",  # (H, nats_bins) counts of entropy in nats over [0, ln(max_keys)]
-    "count",  # (H,) counted queries
-    "sum",  # (H,) sum of normalised entropy
-    "sum_sq",  # (H,) sum of squared normalised entropy
-    "sum_nats",  # (H,) sum of entropy in nats
-    "seq_sum",  # (H,) sum over sequences of each sequence's mean normalised entropy
-    "seq_count",  # (H,) sequences with at least one counted query
-    "single_key",  # (H,) real queries with exactly one valid key
-    "no_key",  # (H,) real queries with no valid key
-)
+#: state -> (torchmetrics reduction, value of an empty slot)
+_STATES = {"sums": ("sum", 0.0), "maxes": ("max", -math.inf)}
 
 
 def _check_positive_int(name: str, value: object, minimum: int = 1) -> int:
@@ -44,16 +39,287 @@ def _check_positive_int(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
+class LayerMetric(Metric):
+    """Per-(layer, head) statistics reduced by sum or max, synced in three collectives.
+
+    The base of every statistic family. A family declares its **fields** once,
+    each a name and a per-head shape (``()`` for one number per head,
+    ``(bins,)`` for a histogram): ``sum_fields`` add up across batches and
+    ranks, ``max_fields`` take the maximum. Its ``update`` registers the layer
+    (:meth:`register_layer`) and folds per-head values in with
+    :meth:`accumulate`; its ``compute`` builds a summary from
+    :meth:`statistics`. ``config`` names the settings that give the fields
+    their meaning (bins, ranges): a state saved under another configuration
+    refuses to load, naming both.
+
+    Layers are rows named by the layer list and are matched **by name**
+    wherever states meet: a DDP sync, :meth:`merge_state`, loading a state
+    dict. Ranks may register layers in any order or not at all (a rank whose
+    shard saw no batch takes part in ``compute()`` and gets the union);
+    a layer with different head counts in two states is an error naming it.
+    :meth:`reset` zeroes the statistics and keeps the layers.
+
+    Args:
+        layers: optional mapping layer name -> number of heads to register now.
+        sum_fields: field name -> per-head shape, reduced by sum.
+        max_fields: field name -> per-head shape, reduced by max (``-inf``
+            until a value arrives).
+        config: the settings a saved state must share to be loaded.
+        kwargs: passed to :class:`torchmetrics.Metric` (``dist_sync_fn`` is
+            not supported: the packed state syncs itself).
+
+    Example:
+        A family with one max field (the largest value seen per head) and one
+        sum field:
+
+        >>> class Peak(LayerMetric):
+        ...     def __init__(self, **kwargs):
+        ...         super().__init__(sum_fields={"count": ()}, max_fields={"peak": ()}, **kwargs)
+        ...
+        ...     def update(self, layer, values):  # (batch, heads, query)
+        ...         self.register_layer(layer, values.shape[1])
+        ...         queries = torch.full((values.shape[1],), values.shape[0] * values.shape[2])
+        ...         self.accumulate(layer, count=queries, peak=values.amax((0, 2)))
+        ...
+        ...     def compute(self):
+        ...         return self.statistics()
+        >>> metric = Peak()
+        >>> metric.update("layer.0", torch.tensor([[[1.0, 3.0], [2.0, 0.5]]]))
+        >>> metric.update("layer.0", torch.tensor([[[4.0, 0.0], [1.0, 1.0]]]))
+        >>> stats = metric.compute()
+        >>> stats["peak"], stats["count"]
+        (tensor([[4., 2.]], dtype=torch.float64), tensor([[4., 4.]], dtype=torch.float64))
+    """
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+
+    sums: Tensor
+    maxes: Tensor
+
+    def __init__(
+        self,
+        layers: Mapping[str, int] | None = None,
+        *,
+        sum_fields: Mapping[str, tuple[int, ...]],
+        max_fields: Mapping[str, tuple[int, ...]] | None = None,
+        config: Mapping[str, object] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.get("dist_sync_fn") is not None:
+            raise ValueError(f"{type(self).__name__} syncs its packed state itself; `dist_sync_fn` is not supported.")
+        super().__init__(**kwargs)
+        self._config = dict(config or {})
+        #: field name -> (state, columns of the state, per-head shape)
+        self._fields: dict[str, tuple[str, slice, tuple[int, ...]]] = {}
+        for state, fields in (("sums", sum_fields), ("maxes", max_fields or {})):
+            width = 0
+            for name, shape in fields.items():
+                if name in self._fields:
+                    raise ValueError(f"Field {name!r} is declared twice.")
+                size = math.prod(shape)
+                self._fields[name] = (state, slice(width, width + size), tuple(shape))
+                width += size
+            reduction, fill = _STATES[state]
+            self.add_state(state, torch.full((0, 0, width), fill, dtype=torch.float64), dist_reduce_fx=reduction)
+        self._layer_heads: dict[str, int] = {}
+        if layers is not None:
+            if not isinstance(layers, Mapping):
+                raise TypeError(f"Expected `layers` to map layer name -> number of heads, got {type(layers).__name__}.")
+            for name, heads in layers.items():
+                self.register_layer(name, heads)
+
+    @property
+    def layers(self) -> list[str]:
+        """Registered layer names, in registration order."""
+        return list(self._layer_heads)
+
+    def num_heads(self, layer: str) -> int:
+        """Heads of a registered layer."""
+        return self._layer_heads[layer]
+
+    def register_layer(self, name: str, num_heads: int) -> None:
+        """Add a layer with empty statistics. Registering the same layer again is a no-op.
+
+        Raises:
+            TypeError: ``name`` is not a string.
+            ValueError: ``num_heads`` is not positive, or differs from an earlier
+                registration of ``name``.
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"Expected a non-empty layer name (str), got {name!r}.")
+        _check_positive_int("num_heads", num_heads)
+        if name in self._layer_heads:
+            if self._layer_heads[name] != num_heads:
+                raise ValueError(
+                    f"Layer {name!r} was registered with {self._layer_heads[name]} heads, got {num_heads} now."
+                )
+            return
+        self._lay_out(self.layers, {**self._layer_heads, name: num_heads})
+
+    def accumulate(self, layer: str, /, **values: Tensor) -> None:
+        """Fold per-head values of a registered layer into its fields.
+
+        Args:
+            layer: a registered layer name.
+            values: field name -> (heads, *field shape) values; sum fields add
+                them, max fields keep the elementwise maximum.
+        """
+        index, heads = self.layers.index(layer), self._layer_heads[layer]
+        for name, value in values.items():
+            state, columns, _ = self._fields[name]
+            target = getattr(self, state)[index, :heads, columns]
+            value = value.to(target).reshape(heads, -1)
+            target.copy_(target + value if state == "sums" else torch.maximum(target, value))
+
+    def statistics(self) -> dict[str, Tensor]:
+        """Every field as a (layers, max heads, *field shape) float64 copy.
+
+        Head slots a layer lacks hold 0 in sum fields and ``-inf`` in max fields.
+        """
+        out = {}
+        for name, (state, columns, shape) in self._fields.items():
+            values = getattr(self, state)[:, :, columns]
+            out[name] = values.reshape(*values.shape[:2], *shape).clone()
+        return out
+
+    def _lay_out(self, rows: Sequence[str], layers: Mapping[str, int]) -> None:
+        """Lay both states out as ``layers``, moving the current rows (named ``rows``) by name."""
+        for state, (_, fill) in _STATES.items():
+            setattr(self, state, _arrange(getattr(self, state), rows, layers, fill))
+        self._layer_heads = dict(layers)
+
+    def reset(self) -> None:
+        """Zero every statistic; the registered layers stay."""
+        super().reset()
+        self._lay_out([], self._layer_heads)
+
+    def forward(self, layer: str, values: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """Update with one call and return the summary of that call alone."""
+        # torchmetrics adds the batch's state to a snapshot of the global one:
+        # both must already have the layer's row.
+        if isinstance(values, Tensor) and values.dim() == 3:
+            self.register_layer(layer, values.shape[1])
+        return super().forward(layer, values, *args, **kwargs)
+
+    def _sync_dist(self, dist_sync_fn: Callable | None = None, process_group: Any | None = None) -> None:
+        """Sum (and max) every layer across ranks in three collectives, layers matched by name."""
+        group = process_group or self.process_group
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        # numpy, not a tensor: torch pickles tensors ten times slower.
+        dist.all_gather_object(gathered, (self._layer_heads, self.maxes.cpu().numpy()), group=group)
+        layers = _union({f"rank {rank}": layout for rank, (layout, _) in enumerate(gathered)})
+        self._lay_out(self.layers, layers)
+        dist.all_reduce(self.sums, group=group)
+        maxes = [_arrange(torch.from_numpy(values), list(layout), layers, -math.inf) for layout, values in gathered]
+        self.maxes = torch.stack(maxes).amax(0).to(self.device)
+
+    def _copy_state_dict(self) -> dict[str, Any]:
+        # sync()/unsync() and forward() restore this snapshot attribute by
+        # attribute: the layer list must come back with the rows it names.
+        return {**super()._copy_state_dict(), "_layer_heads": dict(self._layer_heads)}
+
+    def merge_state(self, incoming_state: dict[str, Any] | Metric) -> None:
+        """Add another metric's statistics to this one, matching layers by name.
+
+        Raises:
+            TypeError: ``incoming_state`` is not a metric of this class (a dict
+                of states does not say which layer each row belongs to).
+            ValueError: another configuration, or a layer with other head counts.
+        """
+        if not isinstance(incoming_state, type(self)):
+            raise TypeError(
+                f"Expected a {type(self).__name__} to merge (its layers are matched by name), "
+                f"got {type(incoming_state).__name__}."
+            )
+        self._check_config(incoming_state._config, "merge the incoming metric into")
+        layers = _union({"this metric": self._layer_heads, "the incoming metric": incoming_state._layer_heads})
+        self._lay_out(self.layers, layers)
+        rows = incoming_state.layers
+        self.sums = self.sums + _arrange(incoming_state.sums.to(self.device), rows, layers, 0.0)
+        self.maxes = torch.maximum(self.maxes, _arrange(incoming_state.maxes.to(self.device), rows, layers, -math.inf))
+        self._computed = None  # torchmetrics caches compute() until the next update or reset
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {
+            "config": dict(self._config),
+            "layers": list(self._layer_heads.items()),
+            "sums": self.sums.detach().clone(),
+            "maxes": self.maxes.detach().clone(),
+        }
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        """Load a saved state: the saved layers replace or join this metric's, by name."""
+        self._check_config(state.get("config"), "load the saved state into")
+        saved = {str(name): int(heads) for name, heads in state["layers"]}
+        expected = (len(saved), max(saved.values(), default=0))
+        for name in _STATES:
+            got = tuple(state[name].shape)
+            if got != (*expected, getattr(self, name).shape[-1]):
+                raise ValueError(f"The saved `{name}` has shape {got}, which does not fit its layers {saved}.")
+        layers = _union({"this metric": self._layer_heads, "the saved state": saved})
+        # Layers only this metric had start empty: loading replaces the statistics.
+        self.sums, self.maxes = (state[name].to(self.device, torch.float64, copy=True) for name in _STATES)
+        self._lay_out(list(saved), layers)
+
+    def _check_config(self, other: object, action: str) -> None:
+        if other != self._config:
+            raise ValueError(
+                f"Cannot {action} this {type(self).__name__}: it was made with {_describe_config(other)}, "
+                f"this one has {_describe_config(self._config)}."
+            )
+
+
+def _describe_config(config: object) -> str:
+    if not isinstance(config, Mapping):
+        return "unknown settings"
+    return ", ".join(f"{key}={value!r}" for key, value in config.items()) or "no settings"
+
+
+def _union(layouts: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    """Every layer of the layouts (source -> layer -> heads), in order of first appearance.
+
+    Raises:
+        ValueError: a layer has other head counts in two sources.
+    """
+    out: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for source, layout in layouts.items():
+        for name, heads in layout.items():
+            first.setdefault(name, source)
+            if out.setdefault(name, heads) != heads:
+                raise ValueError(f"Layer {name!r} has {out[name]} heads in {first[name]} and {heads} in {source}.")
+    return out
+
+
+def _arrange(rows: Tensor, names: Sequence[str], layers: Mapping[str, int], fill: float) -> Tensor:
+    """``rows`` (one per name in ``names``) at their layers' places in ``layers``; every other slot ``fill``.
+
+    Rows already laid out so come back as they are (no copy).
+    """
+    heads = max(layers.values(), default=0)
+    if list(names) == list(layers) and rows.shape[1] == heads:
+        return rows
+    position = {name: index for index, name in enumerate(layers)}
+    out = rows.new_full((len(layers), heads, rows.shape[-1]), fill)
+    index = torch.tensor([position[name] for name in names], dtype=torch.long, device=rows.device)
+    out[index, : rows.shape[1]] = rows
+    return out
+
+
 class _Summary:
     """Statistics shared by every summary: (layer, head) sums, counts and histograms on [0, 1]."""
 
     def __init__(self, layers: Sequence[str], num_heads: Sequence[int], stats: Mapping[str, Tensor]) -> None:
         self.layers = list(layers)
         self.num_heads = list(num_heads)
-        self._stats = {name: value.detach().to("cpu", torch.float64) for name, value in stats.items()}
+        self._stats = {name: value.detach().to("cpu", torch.float64, copy=True) for name, value in stats.items()}
+        self._stats.setdefault("nonfinite", torch.zeros_like(self._stats["count"]))
 
     histogram = property(lambda self: self._stats["hist"])
     count = property(lambda self: self._stats["count"])
+    nonfinite = property(lambda self: self._stats["nonfinite"])
 
     def stats(self, name: str) -> Tensor:
         """A raw accumulated statistic, (L, H, ...), by state name."""
@@ -136,6 +402,8 @@ class EntropySummary(_Summary):
         single_key: (L, H) real queries with one valid key (left out of the
             statistics unless ``include_single_key``).
         no_key: (L, H) real queries left out because they had no valid key.
+        nonfinite: (L, H) counted queries left out because their entropy was
+            NaN or infinite (a diverging model).
     """
 
     def __init__(
@@ -145,7 +413,7 @@ class EntropySummary(_Summary):
         stats: Mapping[str, Tensor],
         max_nats: float,
     ) -> None:
-        super().__init__(layers, num_heads, {name: stats[name] for name in _STATE_KINDS})
+        super().__init__(layers, num_heads, stats)
         self.max_nats = float(max_nats)
 
     nats_histogram = property(lambda self: self._stats["hist_nats"])
@@ -185,7 +453,9 @@ class EntropySummary(_Summary):
         ``/q05`` ... ``/q95`` (two digits of the level; ``q50`` is the median)
         and ``/nats_mean``; per head ``{prefix}/{layer}/head_{h}/mean`` and
         ``/q50``; overall ``{prefix}/mean``. Layers and heads with no counted
-        query are left out rather than logged as NaN.
+        query are left out rather than logged as NaN. ``{prefix}/{layer}/nonfinite``
+        (heads pooled) counts queries left out for non-finite entropy, for
+        layers that had any.
         """
         names = {q: _quantile_name(q) for q in quantiles}
         out: dict[str, float] = {}
@@ -194,9 +464,10 @@ class EntropySummary(_Summary):
         head_mean = self.mean
         layer_count = self.count.sum(-1)
         for index, layer in enumerate(self.layers):
+            base = f"{prefix}/{layer}"
+            _put_nonfinite(out, base, self.nonfinite[index])
             if layer_count[index] == 0:
                 continue
-            base = f"{prefix}/{layer}"
             out[f"{base}/mean"] = float(self.layer_mean[index])
             out[f"{base}/mean_seq"] = float(self.layer_mean_seq[index])
             for q, name in names.items():
@@ -218,6 +489,11 @@ class EntropySummary(_Summary):
         )
 
 
+def _put_nonfinite(out: dict[str, float], base: str, nonfinite: Tensor) -> None:
+    if nonfinite.sum() > 0:
+        out[f"{base}/nonfinite"] = float(nonfinite.sum())
+
+
 def _quantile_name(q: float) -> str:
     percent = q * 100
     if abs(percent - round(percent)) > 1e-9:
@@ -225,113 +501,7 @@ def _quantile_name(q: float) -> str:
     return f"q{round(percent):02d}"
 
 
-class _LayerMetric(Metric):
-    """Per-layer, sum-reduced states registered by name (shared by the metrics below).
-
-    Subclasses name their state kinds and trailing shapes in
-    :meth:`_state_kinds`; each registered layer gets one (heads, *trailing)
-    float64 state per kind, named ``layer{index}_{kind}``.
-    """
-
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = None
-
-    def __init__(self, layers: Mapping[str, int] | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._layer_heads: dict[str, int] = {}
-        if layers is not None:
-            if not isinstance(layers, Mapping):
-                raise TypeError(f"Expected `layers` to map layer name -> number of heads, got {type(layers).__name__}.")
-            for name, heads in layers.items():
-                self.register_layer(name, heads)
-
-    def _state_kinds(self) -> dict[str, tuple[int, ...]]:
-        raise NotImplementedError
-
-    @property
-    def layers(self) -> list[str]:
-        """Registered layer names, in registration order."""
-        return list(self._layer_heads)
-
-    def num_heads(self, layer: str) -> int:
-        """Heads of a registered layer."""
-        return self._layer_heads[layer]
-
-    def register_layer(self, name: str, num_heads: int) -> None:
-        """Add a layer's states (zeros). Registering the same layer again is a no-op.
-
-        Raises:
-            TypeError: ``name`` is not a string.
-            ValueError: ``num_heads`` is not positive, or differs from an earlier
-                registration of ``name``.
-        """
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"Expected a non-empty layer name (str), got {name!r}.")
-        _check_positive_int("num_heads", num_heads)
-        if name in self._layer_heads:
-            if self._layer_heads[name] != num_heads:
-                raise ValueError(
-                    f"Layer {name!r} was registered with {self._layer_heads[name]} heads, got {num_heads} now."
-                )
-            return
-        index = len(self._layer_heads)
-        self._layer_heads[name] = num_heads
-        for kind, trailing in self._state_kinds().items():
-            default = torch.zeros((num_heads, *trailing), dtype=torch.float64, device=self.device)
-            self.add_state(f"layer{index}_{kind}", default=default, dist_reduce_fx="sum", persistent=True)
-
-    def _state(self, index: int, kind: str) -> Tensor:
-        state: Tensor = getattr(self, f"layer{index}_{kind}")
-        return state
-
-    def forward(self, layer: str, values: Tensor, *args: Any, **kwargs: Any) -> Any:
-        """Update with one call and return the summary of that call alone."""
-        # torchmetrics merges the batch state into the global one by name:
-        # the layer must exist in both before it swaps them.
-        if isinstance(values, Tensor) and values.dim() == 3:
-            self.register_layer(layer, values.shape[1])
-        return super().forward(layer, values, *args, **kwargs)
-
-    def _add(self, index: int, kind: str, value: Tensor) -> None:
-        name = f"layer{index}_{kind}"
-        setattr(self, name, getattr(self, name) + value)
-
-    def _stacked(self) -> tuple[list[int], dict[str, Tensor]]:
-        """Every state as (L, H_max, ...), missing heads zero-padded."""
-        heads = list(self._layer_heads.values())
-        width = max(heads, default=0)
-        stats = {}
-        for kind, trailing in self._state_kinds().items():
-            parts = []
-            for index, count in enumerate(heads):
-                state = self._state(index, kind)
-                pad = [0] * (2 * (state.dim() - 1)) + [0, width - count]
-                parts.append(torch.nn.functional.pad(state, pad))
-            stats[kind] = torch.stack(parts) if parts else torch.zeros((0, 0, *trailing), dtype=torch.float64)
-        return heads, stats
-
-    def get_extra_state(self) -> dict[str, Any]:
-        return {"layers": list(self._layer_heads.items())}
-
-    def set_extra_state(self, state: dict[str, Any]) -> None:
-        saved = [(str(name), int(heads)) for name, heads in state["layers"]]
-        current = list(self._layer_heads.items())
-        # States are stored by registration index: the orders must agree.
-        if current != saved[: len(current)]:
-            raise ValueError(f"The state holds layers {saved}, in this order; this metric has {current}.")
-        for name, heads in saved:
-            self.register_layer(name, heads)
-
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
-        # Layer states must exist before torchmetrics copies them in.
-        extra = state_dict.get(prefix + "_extra_state")
-        if extra is not None:
-            self.set_extra_state(extra)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-
-class AttentionEntropy(_LayerMetric):
+class AttentionEntropy(LayerMetric):
     """Distribution of per-query attention entropy, per layer and per head.
 
     Feed it per-query entropy in nats with the number of valid keys of each
@@ -340,11 +510,9 @@ class AttentionEntropy(_LayerMetric):
 
     **Layers** are identified by name. Declare them up front with ``layers``
     (name -> number of heads) or let :meth:`update` register each new name on
-    first sight, in call order. Under DDP every rank must register the same
-    layers in the same order, because states are synchronised by name: pass
-    ``layers``, or make sure every rank runs the same model over its
-    monitored batches before the first ``compute()`` (what
-    :mod:`attn_monitor.capture` does). :meth:`reset` zeroes the counts and
+    first sight, in call order. Under DDP ranks may register layers in any
+    order, or none: ``compute()`` (which every rank must call) matches them by
+    name and gives every rank the union. :meth:`reset` zeroes the counts and
     keeps the registered layers.
 
     **Which queries count**: queries marked as samples with at least two valid
@@ -352,6 +520,8 @@ class AttentionEntropy(_LayerMetric):
     valid key are tallied in ``single_key`` and ``no_key``. With
     ``include_single_key=True`` one-key queries are also counted in the
     statistics, with normalised entropy 0 (all mass on the only key).
+    Counted queries whose entropy is NaN or infinite (a diverging model) are
+    left out and tallied in ``nonfinite``.
 
     Args:
         layers: optional mapping layer name -> number of heads to register now.
@@ -390,11 +560,18 @@ class AttentionEntropy(_LayerMetric):
         self.max_keys = _check_positive_int("max_keys", max_keys, minimum=2)
         self.max_nats = math.log(self.max_keys)
         self.include_single_key = bool(include_single_key)
-        super().__init__(layers, **kwargs)
-
-    def _state_kinds(self) -> dict[str, tuple[int, ...]]:
-        trailing = {"hist": (self.num_bins,), "hist_nats": (self.nats_bins,)}
-        return {kind: trailing.get(kind, ()) for kind in _STATE_KINDS}
+        per_head = ("count", "sum", "sum_sq", "sum_nats", "seq_sum", "seq_count", "single_key", "no_key", "nonfinite")
+        super().__init__(
+            layers,
+            sum_fields={"hist": (self.num_bins,), "hist_nats": (self.nats_bins,), **dict.fromkeys(per_head, ())},
+            config={
+                "num_bins": self.num_bins,
+                "nats_bins": self.nats_bins,
+                "max_keys": self.max_keys,
+                "include_single_key": self.include_single_key,
+            },
+            **kwargs,
+        )
 
     def update(
         self,
@@ -408,7 +585,8 @@ class AttentionEntropy(_LayerMetric):
         Args:
             layer: layer name; registered on first sight.
             entropy: (batch, heads, query) entropy in nats; values of queries
-                that do not count (NaN included) are ignored.
+                that do not count are ignored, NaN and infinite values of
+                counted queries are left out and tallied in ``nonfinite``.
             num_valid: valid keys per query, broadcastable to ``entropy``.
             is_sample: bool, broadcastable to ``entropy``; False for padding
                 queries. None: every query is a sample.
@@ -416,7 +594,8 @@ class AttentionEntropy(_LayerMetric):
         Raises:
             TypeError: wrong types or dtypes.
             ValueError: wrong shapes, a head count that differs from the
-                layer's, NaN or out-of-range entropy on a counted query.
+                layer's, finite entropy out of [0, ln(num_valid)] on a counted
+                query.
         """
         if not isinstance(entropy, Tensor) or not entropy.dtype.is_floating_point:
             raise TypeError(f"Expected `entropy` to be a floating point tensor, got {_describe(entropy)}.")
@@ -441,14 +620,13 @@ class AttentionEntropy(_LayerMetric):
         counted = real & (num_valid > 1)
         if self.include_single_key:
             counted = counted | single
+        finite = torch.isfinite(entropy)
+        nonfinite, counted = counted & ~finite, counted & finite
         values = entropy[counted]
-        if torch.isnan(values).any():
-            raise ValueError("`entropy` is NaN on queries that have valid keys and are samples.")
         limit = num_valid[counted].to(torch.float64).clamp(min=1).log()
         if (values < -1e-4).any() or (values > limit + 1e-3).any():
             raise ValueError("`entropy` must lie in [0, ln(num_valid)] on counted queries (nats, not normalised).")
         self.register_layer(layer, entropy.shape[1])
-        index = self.layers.index(layer)
 
         normalized = torch.where(
             counted & (num_valid > 1), normalize_entropy(entropy, num_valid), torch.zeros_like(entropy)
@@ -456,24 +634,27 @@ class AttentionEntropy(_LayerMetric):
         nats = torch.where(counted, entropy.clamp(min=0.0), torch.zeros_like(entropy))
         weight = counted.to(torch.float64)
 
-        self._add(index, "hist", _head_histogram(normalized, counted, self.num_bins, 1.0))
-        self._add(index, "hist_nats", _head_histogram(nats, counted, self.nats_bins, self.max_nats))
-        self._add(index, "count", weight.sum((0, 2)))
-        self._add(index, "sum", (normalized * weight).sum((0, 2)))
-        self._add(index, "sum_sq", (normalized.square() * weight).sum((0, 2)))
-        self._add(index, "sum_nats", (nats * weight).sum((0, 2)))
         per_sequence = weight.sum(2)
         has_queries = per_sequence > 0
         sequence_mean = (normalized * weight).sum(2) / per_sequence.clamp(min=1)
-        self._add(index, "seq_sum", torch.where(has_queries, sequence_mean, 0.0).sum(0))
-        self._add(index, "seq_count", has_queries.to(torch.float64).sum(0))
-        self._add(index, "single_key", single.to(torch.float64).sum((0, 2)))
-        self._add(index, "no_key", empty.to(torch.float64).sum((0, 2)))
+        self.accumulate(
+            layer,
+            hist=_head_histogram(normalized, counted, self.num_bins, 1.0),
+            hist_nats=_head_histogram(nats, counted, self.nats_bins, self.max_nats),
+            count=weight.sum((0, 2)),
+            sum=(normalized * weight).sum((0, 2)),
+            sum_sq=(normalized.square() * weight).sum((0, 2)),
+            sum_nats=(nats * weight).sum((0, 2)),
+            seq_sum=torch.where(has_queries, sequence_mean, 0.0).sum(0),
+            seq_count=has_queries.sum(0),
+            single_key=single.sum((0, 2)),
+            no_key=empty.sum((0, 2)),
+            nonfinite=nonfinite.sum((0, 2)),
+        )
 
     def compute(self) -> EntropySummary:
         """Summary of everything accumulated since the last reset (collective under DDP)."""
-        heads, stats = self._stacked()
-        return EntropySummary(self.layers, heads, stats, self.max_nats)
+        return EntropySummary(self.layers, _heads(self), self.statistics(), self.max_nats)
 
 
 def _head_histogram(values: Tensor, counted: Tensor, bins: int, high: float) -> Tensor:
@@ -491,24 +672,24 @@ def _describe(value: object) -> str:
     return type(value).__name__
 
 
-_MASS_KINDS = ("hist", "count", "sum", "sum_sq")
-
-
 class MassSummary(_Summary):
     """What :class:`AttentionMass` accumulated: per (key, head) distributions of a mass in [0, 1].
 
-    Keys are ``{diagnostic}/{layer}``, e.g. ``sink_mass/blocks.0.attn``.
+    Keys are ``{diagnostic}/{layer}``, e.g. ``sink_mass/blocks.0.attn``;
+    ``nonfinite`` (L, H) counts sample queries whose mass was NaN or infinite.
     """
 
     def to_dict(self, prefix: str = "attn", *, per_head: bool = False) -> dict[str, float]:
         """Scalars ``{prefix}_{diagnostic}/{layer}/mean``, ``/q50``, ``/q95``, ``/max_head_mean``
-        (and ``/head_{h}/mean`` with ``per_head``); keys with no counted query are left out."""
+        (and ``/head_{h}/mean`` with ``per_head``); keys with no counted query are left out.
+        ``/nonfinite`` counts queries left out for a NaN or infinite mass, where there were any."""
         out: dict[str, float] = {}
         medians, tails, head_means = self.layer_quantile(0.5), self.layer_quantile(0.95), self.mean
         for index, key in enumerate(self.layers):
+            base = f"{prefix}_{key}"
+            _put_nonfinite(out, base, self.nonfinite[index])
             if self.count[index].sum() == 0:
                 continue
-            base = f"{prefix}_{key}"
             out[f"{base}/mean"] = float(self.layer_mean[index])
             out[f"{base}/q50"] = float(medians[index])
             out[f"{base}/q95"] = float(tails[index])
@@ -524,12 +705,14 @@ class MassSummary(_Summary):
         return f"MassSummary(keys={self.layers}, queries={int(self.count.sum())}, mean={self.overall_mean:.4f})"
 
 
-class AttentionMass(_LayerMetric):
+class AttentionMass(LayerMetric):
     """Distributions of per-query attention mass fractions, per key and head.
 
     The state behind the mass diagnostics (attention-sink mass, KV-eviction
     coverage, cross-document leakage): each key (``{diagnostic}/{layer}``)
-    holds a histogram on [0, 1] and exact sums, all sum-reduced.
+    holds a histogram on [0, 1] and exact sums, all sum-reduced. Sample
+    queries whose mass is NaN or infinite are left out and tallied in
+    ``nonfinite``.
 
     Args:
         layers: optional mapping key -> number of heads to register now.
@@ -546,18 +729,19 @@ class AttentionMass(_LayerMetric):
 
     def __init__(self, layers: Mapping[str, int] | None = None, *, num_bins: int = 1000, **kwargs: Any) -> None:
         self.num_bins = _check_positive_int("num_bins", num_bins)
-        super().__init__(layers, **kwargs)
-
-    def _state_kinds(self) -> dict[str, tuple[int, ...]]:
-        return {kind: (self.num_bins,) if kind == "hist" else () for kind in _MASS_KINDS}
+        per_head = dict.fromkeys(("count", "sum", "sum_sq", "nonfinite"), ())
+        super().__init__(
+            layers, sum_fields={"hist": (self.num_bins,), **per_head}, config={"num_bins": self.num_bins}, **kwargs
+        )
 
     def update(self, key: str, mass: Tensor, is_sample: Tensor | None = None) -> None:
         """Add per-query mass fractions.
 
         Args:
             key: ``{diagnostic}/{layer}``; registered on first sight.
-            mass: (batch, heads, query) fractions in [0, 1]; NaN and queries
-                that are not samples are ignored.
+            mass: (batch, heads, query) fractions in [0, 1]; queries that are
+                not samples are ignored, NaN or infinite values of samples are
+                left out and tallied in ``nonfinite``.
             is_sample: bool, broadcastable to ``mass``; None: all queries.
 
         Raises:
@@ -574,22 +758,28 @@ class AttentionMass(_LayerMetric):
         ):
             raise ValueError(f"Expected `is_sample` as a bool tensor broadcastable to {tuple(mass.shape)}.")
         mass = mass.detach().to(self.device, torch.float64)
-        counted = ~torch.isnan(mass)
-        if is_sample is not None:
-            counted = counted & is_sample.to(self.device).expand(mass.shape)
+        sample = torch.ones_like(mass, dtype=torch.bool) if is_sample is None else is_sample.to(self.device)
+        finite = torch.isfinite(mass)
+        nonfinite, counted = sample & ~finite, sample & finite
         values = mass[counted]
         if (values < -1e-6).any() or (values > 1 + 1e-6).any():
             raise ValueError("Expected `mass` in [0, 1] on counted queries.")
         self.register_layer(key, mass.shape[1])
-        index = self.layers.index(key)
         mass = torch.where(counted, mass.clamp(0.0, 1.0), torch.zeros_like(mass))
         weight = counted.to(torch.float64)
-        self._add(index, "hist", _head_histogram(mass, counted, self.num_bins, 1.0))
-        self._add(index, "count", weight.sum((0, 2)))
-        self._add(index, "sum", (mass * weight).sum((0, 2)))
-        self._add(index, "sum_sq", (mass.square() * weight).sum((0, 2)))
+        self.accumulate(
+            key,
+            hist=_head_histogram(mass, counted, self.num_bins, 1.0),
+            count=weight.sum((0, 2)),
+            sum=(mass * weight).sum((0, 2)),
+            sum_sq=(mass.square() * weight).sum((0, 2)),
+            nonfinite=nonfinite.sum((0, 2)),
+        )
 
     def compute(self) -> MassSummary:
         """Summary of everything accumulated since the last reset (collective under DDP)."""
-        heads, stats = self._stacked()
-        return MassSummary(self.layers, heads, stats)
+        return MassSummary(self.layers, _heads(self), self.statistics())
+
+
+def _heads(metric: LayerMetric) -> list[int]:
+    return [metric.num_heads(layer) for layer in metric.layers]

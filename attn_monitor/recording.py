@@ -5,11 +5,12 @@ to the watched model and keeps a :class:`Stream` per purpose (each
 validation dataloader, the training steps). A recording names its stream,
 and the stream's consumers are handed to the capture when the recording
 starts; nothing is reassigned afterwards. No Lightning here: the callback
-passes the module, the batch and its strategy's ``broadcast``.
+passes the module and the batch.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,8 +35,6 @@ __all__ = ["BatchMask", "Recorder", "Stream"]
 
 #: ``function(batch) -> (batch, seq) tensor | None``: the padding mask or document ids of a batch.
 BatchMask = Callable[[Any], "Tensor | None"]
-#: ``broadcast(obj, src=0)``: rank zero's ``obj`` on every rank (Lightning: ``trainer.strategy.broadcast``).
-Broadcast = Callable[..., Any]
 
 
 @dataclass
@@ -183,43 +182,27 @@ class Recorder:
         """Batches were recorded but no attention call was seen in them."""
         return self.capture is not None and self.capture.num_recordings > 0 and self.capture.num_calls == 0
 
-    def collect(
-        self, key: Hashable, broadcast: Broadcast | None = None
-    ) -> tuple[EntropySummary | None, MassSummary | None]:
+    def collect(self, key: Hashable) -> tuple[EntropySummary | None, MassSummary | None]:
         """Compute and reset the stream ``key`` (a collective under DDP: every rank calls it).
 
-        Args:
-            key: the stream.
-            broadcast: ``broadcast(obj, src=0)`` of the distributed strategy
-                (None: one process).
+        The metrics merge their layers by name across ranks, so a rank whose
+        shard had no sampled batch takes part all the same.
 
         Returns:
             The entropy summary (None when no rank recorded any layer) and the
             mass summary (None when diagnostics are off or nothing was recorded).
         """
         stream = self.stream(key)
-        summary = _compute(stream.entropy, broadcast)
-        masses = None if stream.diagnostics is None else _compute(stream.diagnostics.metric, broadcast)
+        summary = _compute(stream.entropy)
+        masses = None if stream.diagnostics is None else _compute(stream.diagnostics.metric)
         return summary, masses
 
 
-def _compute(metric: Any, broadcast: Broadcast | None) -> Any:
-    """``metric.compute()`` then reset; None when rank zero holds no layer."""
-    if not (_share_layers(metric, broadcast) if broadcast is not None else metric.layers):
-        metric.reset()
-        return None
-    summary = metric.compute()
+def _compute(metric: AttentionEntropy | AttentionMass) -> Any:
+    """``metric.compute()`` on every rank, then reset; None when no rank holds a layer."""
+    with warnings.catch_warnings():
+        # A rank (or a run) that recorded nothing still takes part in the sync; that is expected here.
+        warnings.filterwarnings("ignore", message="The ``compute`` method of metric", category=UserWarning)
+        summary = metric.compute()
     metric.reset()
-    return summary
-
-
-def _share_layers(metric: AttentionEntropy | AttentionMass, broadcast: Broadcast) -> bool:
-    """Register rank zero's layers on every rank, so that every rank sums the same states.
-
-    A rank whose shard had no sampled batch holds no layer yet. Returns
-    whether rank zero holds any (the same answer on every rank).
-    """
-    layers = broadcast([(name, metric.num_heads(name)) for name in metric.layers], src=0)
-    for name, heads in layers:
-        metric.register_layer(name, heads)
-    return bool(layers)
+    return summary if summary.layers else None

@@ -15,10 +15,11 @@ Three measurements on the demo model of ``examples/train_tiny_gpt.py`` (a
   validation, without a callback vs with the monitor attached but idle (no
   ``train_every_n_steps``): the hooks are installed and pass through.
 * **(c) metric sync**: a real 2-process gloo group; each rank updates an
-  ``AttentionEntropy`` (4 layers x 8 heads) with N tokens per layer, then
-  ``compute()`` (a collective: torchmetrics all-gathers every state and sums)
-  is timed against ``compute()`` on an unsynced copy of the same state. The
-  states are fixed-size histograms, so neither should grow with N.
+  ``AttentionEntropy`` (4 to 32 layers x 8 heads), then ``compute()`` (a
+  collective: the layer lists and one packed buffer of every layer's sums) is
+  timed against ``compute()`` on an unsynced copy of the same state, and the
+  ``torch.distributed`` calls it makes are counted: three collectives
+  whatever the number of layers.
 
 Times are from interleaved repeats (the order changes every repeat); ratios
 and differences are medians of per-repeat pairs measured side by side, so
@@ -27,7 +28,8 @@ only (shared, noisy CPUs). Torch runs ``--threads`` threads (default 1: the
 demo's setting; tiny matrices only lose from more).
 
     python benchmarks/bench_monitor.py [--repeats 11] [--threads 1] [--val-batches 8] [--train-steps 30]
-                                       [--tokens 1e3 1e4 1e5 1e6] [--sync-repeats 7] [--no-memory]
+                                       [--sync-layers 4 8 16 32] [--sync-tokens 1e4] [--sync-repeats 7]
+                                       [--no-memory]
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -61,7 +64,7 @@ from attn_monitor import AttentionEntropy, AttentionEntropyMonitor
 
 BATCH_SIZE = 64
 NUM_LAYERS = 2  # the demo's TinyGPT
-SYNC_LAYERS, SYNC_HEADS, WORLD_SIZE = 4, 8, 2
+SYNC_HEADS, WORLD_SIZE = 8, 2
 #: Queries per sequence in the sync benchmark's updates (N tokens = N / QUERIES sequences).
 QUERIES = 1000
 #: Sequences per update call in the sync benchmark (bounds the update's temporary memory).
@@ -296,10 +299,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _layers() -> dict[str, int]:
-    return {f"blocks.{index}.attn": SYNC_HEADS for index in range(SYNC_LAYERS)}
-
-
 def _feed(metric: AttentionEntropy, tokens: int, rank: int) -> None:
     """``tokens`` queries per layer (sequences of QUERIES causal queries), entropy uniform in [0, ln keys]."""
     generator = torch.Generator().manual_seed(1000 + rank)
@@ -313,16 +312,46 @@ def _feed(metric: AttentionEntropy, tokens: int, rank: int) -> None:
             metric.update(layer, entropy, num_valid)
 
 
-def _tensor_states(metric: AttentionEntropy) -> list[torch.Tensor]:
-    return [state for state in metric.metric_state.values() if isinstance(state, torch.Tensor)]
-
-
 def _state_bytes(metric: AttentionEntropy) -> int:
-    return sum(state.numel() * state.element_size() for state in _tensor_states(metric))
+    states = [state for state in metric.metric_state.values() if isinstance(state, torch.Tensor)]
+    return sum(state.numel() * state.element_size() for state in states)
+
+
+@contextmanager
+def _collectives_called() -> Iterator[list[str]]:
+    """The names of the ``torch.distributed`` collectives called inside the block (outermost calls)."""
+    import torch.distributed as dist
+
+    names: list[str] = []
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def counting(name: str, function: Callable) -> Callable:
+        def counted(*args: object, **kwargs: object) -> object:
+            names.append(name)
+            return function(*args, **kwargs)
+
+        return counted
+
+    try:
+        for name, function in originals.items():
+            setattr(dist, name, counting(name, function))
+        yield names
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+
+
+_COLLECTIVES = ("all_gather", "all_gather_object", "all_reduce", "barrier", "broadcast", "broadcast_object_list")
 
 
 def _sync_worker(
-    rank: int, port: int, token_counts: list[int], repeats: int, threads: int, queue: multiprocessing.Queue
+    rank: int,
+    port: int,
+    layer_counts: list[int],
+    tokens: int,
+    repeats: int,
+    threads: int,
+    queue: multiprocessing.Queue,
 ) -> None:
     import torch.distributed as dist
 
@@ -332,12 +361,11 @@ def _sync_worker(
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=300))
     try:
         rows = []
-        for tokens in token_counts:
-            synced = AttentionEntropy(_layers())
-            start = time.perf_counter()
+        for num_layers in layer_counts:
+            layers = {f"blocks.{index}.attn": SYNC_HEADS for index in range(num_layers)}
+            synced = AttentionEntropy(layers)
             _feed(synced, tokens, rank)
-            update_s = time.perf_counter() - start
-            local = AttentionEntropy(_layers(), sync_on_compute=False)
+            local = AttentionEntropy(layers, sync_on_compute=False)
             local.load_state_dict(synced.state_dict())
             poke = (torch.zeros(1, SYNC_HEADS, 1), torch.tensor(1))  # one-key query: tallied, not counted
             synced_s, local_s = [], []
@@ -346,71 +374,72 @@ def _sync_worker(
                 synced.update("blocks.0.attn", *poke)
                 local.update("blocks.0.attn", *poke)
                 dist.barrier()
-                start = time.perf_counter()
-                summary = synced.compute()
-                synced_s.append(time.perf_counter() - start)
+                with _collectives_called() as calls:
+                    start = time.perf_counter()
+                    summary = synced.compute()
+                    synced_s.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 local.compute()
                 local_s.append(time.perf_counter() - start)
             # Sanity: the synced summary holds both ranks' tokens.
             counted = float(summary.count.sum())
             queries = min(tokens, QUERIES)  # every query but the first of a sequence has >= 2 keys
-            expected = WORLD_SIZE * SYNC_LAYERS * SYNC_HEADS * -(-tokens // queries) * (queries - 1)
-            per_rank = torch.tensor([statistics.median(synced_s), statistics.median(local_s), update_s])
+            expected = WORLD_SIZE * num_layers * SYNC_HEADS * -(-tokens // queries) * (queries - 1)
+            per_rank = torch.tensor([statistics.median(synced_s), statistics.median(local_s)])
             dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
-            rows.append((tokens, *per_rank.tolist(), _state_bytes(synced), len(synced.metric_state), counted, expected))
-        # References, same group: one barrier, and one all_gather of every state packed in one buffer.
-        flat = torch.cat([state.flatten() for state in _tensor_states(synced)])
-        gathered = [torch.empty_like(flat) for _ in range(WORLD_SIZE)]
-        barrier_s, packed_s = [], []
+            rows.append((num_layers, *per_rank.tolist(), _state_bytes(synced), calls, counted, expected))
+        # Reference, same group: one barrier.
+        barrier_s = []
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
             dist.barrier()
             barrier_s.append(time.perf_counter() - start)
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_gather(gathered, flat)
-            packed_s.append(time.perf_counter() - start)
-        references = torch.tensor([statistics.median(barrier_s), statistics.median(packed_s)])
-        dist.all_reduce(references, op=dist.ReduceOp.MAX)
+        reference = torch.tensor([statistics.median(barrier_s)])
+        dist.all_reduce(reference, op=dist.ReduceOp.MAX)
         if rank == 0:
-            queue.put((rows, *references.tolist(), flat.numel() * flat.element_size()))
+            queue.put((rows, float(reference)))
     finally:
         dist.destroy_process_group()
 
 
-def bench_sync(token_counts: list[int], repeats: int, threads: int) -> str:
+def _calls_text(calls: list[str]) -> str:
+    """``2: all_gather_object, all_reduce``, or a count per name when there are many."""
+    if len(calls) <= 4:
+        return f"{len(calls)}: {', '.join(calls)}"
+    return f"{len(calls)}: " + ", ".join(f"{calls.count(name)} {name}" for name in sorted(set(calls)))
+
+
+def bench_sync(layer_counts: list[int], tokens: int, repeats: int, threads: int) -> str:
     port = _free_port()
-    args = [(rank, port, token_counts, repeats, threads) for rank in range(WORLD_SIZE)]
-    ((rows, barrier_s, packed_s, packed_bytes),) = run_children(_sync_worker, args, 1, _PRELOAD)
+    args = [(rank, port, layer_counts, tokens, repeats, threads) for rank in range(WORLD_SIZE)]
+    ((rows, barrier_s),) = run_children(_sync_worker, args, 1, _PRELOAD)
     lines = [
         f"### (c) Metric sync: `AttentionEntropy.compute()` in a {WORLD_SIZE}-process gloo group",
         "",
-        f"{SYNC_LAYERS} layers x {SYNC_HEADS} heads, default 1000 + 1000 histogram bins, float64 states; each "
-        f"rank first updates every layer with N tokens (sequences of up to {QUERIES} causal queries, "
-        f"{SEQUENCES_PER_UPDATE} sequences per update call). Processes from a fork server, MASTER_ADDR 127.0.0.1, "
-        f"{threads} torch thread(s) each. compute() ms: median of {repeats} (barrier before each; slower rank); "
-        "local = compute() of an unsynced copy of the same state (`sync_on_compute=False`), in the same run.",
+        f"L layers x {SYNC_HEADS} heads, default 1000 + 1000 histogram bins, float64 state; each rank first updates "
+        f"every layer with {tokens} tokens (sequences of up to {QUERIES} causal queries). Processes from a fork "
+        f"server, MASTER_ADDR 127.0.0.1, {threads} torch thread(s) each. compute() ms: median of {repeats} "
+        "(barrier before each; slower rank); local = compute() of an unsynced copy of the same state "
+        "(`sync_on_compute=False`), in the same run. Collectives: calls into `torch.distributed` during one "
+        "synced compute().",
         "",
-        "| N tokens per rank per layer | states | state KiB per rank | synced compute ms | local compute ms | sync ms "
-        "| synced / local | update s (all layers) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| layers | state KiB per rank | torch.distributed calls per compute | synced compute ms | local compute ms "
+        "| sync ms | synced / local |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for tokens, synced_s, local_s, update_s, state_bytes, states, counted, expected in rows:
+    for num_layers, synced_s, local_s, state_bytes, calls, counted, expected in rows:
         if counted != expected:
             raise RuntimeError(f"The synced summary counted {counted:.0f} queries, expected {expected}.")
         lines.append(
-            f"| {tokens:.0e} | {states} | {state_bytes / 1024:.0f} | {synced_s * 1e3:.2f} | {local_s * 1e3:.2f} | "
-            f"{(synced_s - local_s) * 1e3:.2f} | {synced_s / local_s:.1f} | {update_s:.2f} |"
+            f"| {num_layers} | {state_bytes / 1024:.0f} | {_calls_text(calls)} | {synced_s * 1e3:.2f} | "
+            f"{local_s * 1e3:.2f} | {(synced_s - local_s) * 1e3:.2f} | {synced_s / local_s:.1f} |"
         )
-    states = rows[-1][5]
     lines += [
         "",
-        f"torchmetrics syncs each of the {states} states on its own (a barrier, an all_gather of its shape and one of "
-        f"its values: {3 * states} collectives per compute). References in the same group: one barrier takes "
-        f"{barrier_s * 1e3:.2f} ms; one all_gather of all states packed into a single {packed_bytes / 1024:.0f} KiB "
-        f"buffer takes {packed_s * 1e3:.2f} ms.",
+        "Every layer's sums travel in one packed all_reduce, after one all_gather_object of the ranks' layer "
+        "lists (two all_gathers on the wire): three collectives whatever the number of layers; the sync time "
+        f"grows only with the bytes summed. Reference in the same group: one barrier takes {barrier_s * 1e3:.2f} ms.",
     ]
     return "\n".join(lines)
 
@@ -427,9 +456,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--val-batches", type=int, default=8, help="validation batches (default 8)")
     parser.add_argument("--train-steps", type=int, default=30, help="training steps (default 30)")
     parser.add_argument(
-        "--tokens", type=float, nargs="+", default=[1e3, 1e4, 1e5, 1e6], help="tokens per rank per layer for (c)"
+        "--sync-layers", type=int, nargs="+", default=[4, 8, 16, 32], help="layers of the synced metric in (c)"
     )
-    parser.add_argument("--sync-repeats", type=int, default=7, help="timed compute() calls per N (default 7)")
+    parser.add_argument("--sync-tokens", type=float, default=1e4, help="tokens per rank per layer in (c)")
+    parser.add_argument("--sync-repeats", type=int, default=7, help="timed compute() calls per row (default 7)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children of (a)")
     args = parser.parse_args(argv)
     if args.val_batches < 2:
@@ -446,7 +476,7 @@ def main(argv: list[str] | None = None) -> str:
         for name, run in (
             ("a", lambda: bench_validation(args.val_batches, args.repeats, args.threads, not args.no_memory)),
             ("b", lambda: bench_training(args.train_steps, args.repeats, args.threads)),
-            ("c", lambda: bench_sync([int(tokens) for tokens in args.tokens], args.sync_repeats, args.threads)),
+            ("c", lambda: bench_sync(args.sync_layers, int(args.sync_tokens), args.sync_repeats, args.threads)),
         ):
             section_start = time.perf_counter()
             sections.append(run())

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> str:
     capture_argv = ["--threads", str(args.threads), *repeats] + (["--sizes", "256"] if args.quick else [])
     monitor_argv = ["--threads", str(args.monitor_threads), *repeats]
     if args.quick:
-        monitor_argv += ["--val-batches", "4", "--train-steps", "10", "--tokens", "1e3", "1e4", "--sync-repeats", "2"]
+        monitor_argv += ["--val-batches", "4", "--train-steps", "10", "--sync-layers", "4", "32", "--sync-repeats", "2"]
     entropy_sizes = QUICK_ENTROPY_SIZES if args.quick else FULL_ENTROPY_SIZES
     entropy_repeats = 1 if args.quick else 3
 

@@ -1032,8 +1032,9 @@ def test_nan_in_validation_warns_once_per_layer_and_training_goes_on(tmp_path: P
     reports = [str(w.message) for w in caught if "NaN or inf" in str(w.message)]
     real_queries = int(val[1]["attention_mask"].sum()) * lm.HEADS
     assert sorted(reports) == sorted(
-        f"attn_monitor: {layer!r}: {real_queries} queries met NaN or inf in their queries, keys or attention "
-        "weights (a diverging model?); they are left out of the entropy statistics and training goes on."
+        f"attn_monitor: {layer!r}: {real_queries} queries met NaN or inf in their queries, keys or "
+        "attention weights (a diverging model?); they are left out of the entropy statistics, counted "
+        "in `nonfinite`, and training goes on."
         for layer in lm.GPT_LAYERS
     )
     # What is logged is the finite batch alone, both epochs.
@@ -1042,6 +1043,14 @@ def test_nan_in_validation_warns_once_per_layer_and_training_goes_on(tmp_path: P
     summary = monitor.last_summary
     assert summary is not None
     assert int(summary.count.sum()) == count_queries(gpt_reference(model.state_dict(), val[:1]))
+    # ... and the NaN batch's counted queries are logged as nonfinite, per layer and epoch.
+    per_layer = {layer: len(s.normalized) for layer, s in gpt_reference(model.state_dict(), val[1:]).items()}
+    logged = [
+        {layer: m[f"{PREFIX}/{layer}/nonfinite"] for layer in lm.GPT_LAYERS}
+        for _, m in logger.records
+        if f"{PREFIX}/mean" in m
+    ]
+    assert logged == [per_layer] * 2
 
 
 # --------------------------------------------------------------------------- memory
@@ -1077,5 +1086,5 @@ def test_memory_stays_flat_over_100_validation_epochs(tmp_path: Path) -> None:
     assert monitor.last_summary is not None
     tensors_10, objects_10 = counts[9]
     tensors_100, objects_100 = counts[99]
-    assert tensors_100 == tensors_10, counts
+    assert tensors_100 <= tensors_10, counts  # fewer is fine (caches settle); one more per epoch is not
     assert objects_100 - objects_10 < 500, counts  # no growth per epoch (90 epochs in between)

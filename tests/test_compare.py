@@ -74,6 +74,7 @@ def rich_summary(seed: int = 0) -> EntropySummary:
             num_valid = rng.integers(0, 20, size=shape)
             entropy = rng.random(shape) * np.log(np.maximum(num_valid, 1))
             is_sample = rng.random((2, 1, 7)) < 0.8
+            entropy[0, 0, 0] = math.nan  # a diverged query: counted in `nonfinite` when it is a sample
             metric.update(name, torch.from_numpy(entropy), torch.from_numpy(num_valid), torch.from_numpy(is_sample))
     return metric.compute()
 
@@ -97,7 +98,9 @@ def test_round_trip_keeps_every_statistic(tmp_path: Path) -> None:
     for name in ("hist", "hist_nats", "count", "sum", "sum_sq", "sum_nats", "seq_sum", "seq_count", "single_key"):
         assert_same(loaded.stats(name), summary.stats(name))
     assert_same(loaded.stats("no_key"), summary.stats("no_key"))
+    assert_same(loaded.nonfinite, summary.nonfinite)
     assert summary.no_key.sum() > 0 and summary.single_key.sum() > 0, "the data must exercise the excluded counters"
+    assert summary.nonfinite.sum() > 0
     for derived in ("mean", "mean_seq", "std", "nats_mean", "layer_mean", "layer_mean_seq", "layer_std"):
         assert_same(getattr(loaded, derived), getattr(summary, derived))
     for q in (0.05, 0.5, 0.95):
@@ -124,11 +127,11 @@ def test_saved_file_is_the_documented_plain_dict(tmp_path: Path) -> None:
 
 
 def test_format_covers_every_metric_statistic() -> None:
-    # The file format lists its statistics itself; a new statistic in the metric needs a format version bump.
-    from attn_monitor.comparison import _STATS_V1
-    from attn_monitor.metric import _STATE_KINDS
+    # The file format lists its statistics itself; a new statistic in the metric needs a format version bump
+    # (or an optional entry that older readers skip).
+    from attn_monitor.comparison import _OPTIONAL_V1, _STATS_V1
 
-    assert set(_STATS_V1) == set(_STATE_KINDS)
+    assert set(_STATS_V1 + _OPTIONAL_V1) == set(AttentionEntropy().statistics())
 
 
 @pytest.mark.filterwarnings("ignore:The ``compute`` method:UserWarning")  # an empty metric, on purpose
@@ -140,6 +143,16 @@ def test_round_trip_of_an_empty_summary(tmp_path: Path) -> None:
     comparison = compare(loaded, loaded)
     assert comparison.rows() == []
     assert comparison.table().splitlines()[-1] == REMINDER
+
+
+def test_file_without_nonfinite_counts_loads_with_zeros(tmp_path: Path) -> None:
+    """Files written before the `nonfinite` statistic existed still load."""
+    payload = _payload(tmp_path)
+    del payload["stats"]["nonfinite"]
+    torch.save(payload, tmp_path / "older.pt")
+    loaded = load_summary(tmp_path / "older.pt")
+    assert loaded.nonfinite.shape == loaded.count.shape and loaded.nonfinite.sum() == 0
+    assert_same(loaded.mean, load_summary(tmp_path / "good.pt").mean)
 
 
 def test_save_rejects_other_objects(tmp_path: Path) -> None:
