@@ -97,11 +97,11 @@ def normalize_entropy(entropy: Tensor, num_valid: Tensor) -> Tensor:
 
 def _finish(entropy: Tensor, num_valid: Tensor, normalize: bool) -> Tensor:
     """Apply the shared NaN rules and bounds to raw per-query entropy."""
-    count = num_valid.to(entropy.dtype).expand_as(entropy)
-    upper = torch.where(count > 0, count, torch.ones_like(count)).log()
+    count = num_valid.to(entropy.dtype)
+    # ln(count) bounds the entropy; NaN (no visible key) propagates through the minimum.
+    upper = count.log().masked_fill(count == 0, math.nan)
     # ``+ 0.0`` turns the -0.0 of a one-hot row into 0.0.
-    bounded = torch.minimum(entropy.clamp(min=0.0), upper) + 0.0
-    entropy = torch.where(count > 0, bounded, torch.full_like(entropy, math.nan))
+    entropy = torch.minimum(entropy.clamp(min=0.0), upper) + 0.0
     return normalize_entropy(entropy, count) if normalize else entropy
 
 
@@ -264,6 +264,9 @@ def _kernel_calls(support: Support, dtype: torch.dtype, block: int = QUERY_BLOCK
     if support.window is None and support.document_ids is None:
         attn_mask, is_causal = support.additive_mask(dtype)
         return [(0, support.num_queries, 0, support.num_keys, attn_mask, is_causal)]
+    if support.num_queries <= block:  # one block: nothing to skip
+        visible = support.block(0, support.num_queries, 0, support.num_keys)
+        return [(0, support.num_queries, 0, support.num_keys, _additive(visible, dtype), False)]
     calls: list[KernelCall] = []
     for q_start, q_stop, k_start, k_stop in support.key_blocks(block):
         if k_stop > k_start:
@@ -394,7 +397,9 @@ def _block_entropy(
 
 
 def _is_large(lse: Tensor) -> bool:
-    """Whether any finite logsumexp is beyond ``LARGE_LOGIT`` (one device round trip)."""
+    """Whether any finite logsumexp is beyond ``LARGE_LOGIT`` (one device round trip when it is not)."""
+    if not bool(lse.abs().amax() > LARGE_LOGIT):  # NaN compares False
+        return False
     finite = torch.where(torch.isfinite(lse), lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
     return bool(finite.abs().amax() > LARGE_LOGIT)
 
@@ -453,7 +458,7 @@ def entropy_from_qk(
     """
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, method, memory_budget)
     _, entropy = _qk_pass(q, k, support, scale, method, memory_budget)
-    return _finish(entropy, support.num_valid(), normalize)
+    return _finish(entropy, support.num_valid().to(entropy.device), normalize)
 
 
 def attention_lse(
@@ -583,9 +588,10 @@ def _fused_entropy(q: Tensor, k: Tensor, support: Support, scale: float) -> tupl
             return lse.to(dtype), entropy.to(dtype)
         q, k = q.double(), k.double()
         out, lse = _fused_lse(q, k, support, scale) or (out, lse)
-    entropy = lse - scale * out.mul_(q).sum(-1)
-    # The kernels return lse 0 for rows with no visible key.
-    lse = lse.masked_fill(support.num_valid() == 0, -math.inf)
+    entropy = lse.sub(out.mul_(q).sum(-1), alpha=scale)
+    if support.may_hide_every_key:
+        # The kernels return lse 0 for rows with no visible key.
+        lse = lse.masked_fill(support.num_valid().to(lse.device) == 0, -math.inf)
     return lse.to(dtype), entropy.to(dtype)
 
 

@@ -82,6 +82,10 @@ def _mask_to_bool_and_bias(mask: Tensor) -> tuple[Tensor, Tensor | None]:
     return visible, bias
 
 
+#: Counts of supports without any mask tensor (causal order, a window), by shape.
+_STATIC_COUNTS: dict[tuple[int, int, bool, int | None], Tensor] = {}
+
+
 class Support:
     """The set of keys each query of one attention call may attend to.
 
@@ -173,6 +177,7 @@ class Support:
                 self.mask = None
         self.batch_size = self._check_batch_sizes()
         self._num_valid: Tensor | None = None
+        self._bounds: tuple[Tensor, Tensor] | None = None
 
     @classmethod
     def from_sdpa(cls, num_queries: int, num_keys: int, attn_mask: Tensor | None, is_causal: bool) -> Support:
@@ -300,7 +305,7 @@ class Support:
         stops = [min(q_stop, start + block) for start in starts]
         k_starts, k_stops = [0] * len(starts), [self.num_keys] * len(starts)
         if self.document_ids is not None:
-            doc_start, doc_stop = _run_bounds(self.document_ids)
+            doc_start, doc_stop = self._document_bounds()
             bounds = torch.stack(
                 [
                     torch.stack([doc_start[:, a:b].amin(), doc_stop[:, a:b].amax()])
@@ -323,6 +328,11 @@ class Support:
             return None
         return _window(_window(self.bias, 2, q_start, q_stop), 3, k_start, k_stop)
 
+    @property
+    def may_hide_every_key(self) -> bool:
+        """Whether some query might see no key at all (never with causal order or no mask alone)."""
+        return self.padding_mask is not None or self.document_ids is not None or self.mask is not None
+
     def num_valid(self) -> Tensor:
         """Number of visible keys per query (computed once, then reused).
 
@@ -331,7 +341,15 @@ class Support:
             explicit per-head mask is involved.
         """
         if self._num_valid is None:
-            self._num_valid = self._count_valid()
+            if self.may_hide_every_key:
+                self._num_valid = self._count_valid()
+            else:  # the same for every call of this shape: computed once per process
+                key = (self.num_queries, self.num_keys, self.causal, self.window)
+                if key not in _STATIC_COUNTS:
+                    if len(_STATIC_COUNTS) >= 64:
+                        _STATIC_COUNTS.clear()
+                    _STATIC_COUNTS[key] = self._count_valid()
+                self._num_valid = _STATIC_COUNTS[key]
         return self._num_valid
 
     def _count_valid(self) -> Tensor:
@@ -340,12 +358,20 @@ class Support:
             return visible.sum(-1, dtype=torch.long)
         device = self._device()
         num_q, num_k = self.num_queries, self.num_keys
+        if self.window is None and self.document_ids is None and self.padding_mask is not None:
+            if not self.causal:  # a key mask: the same count for every query
+                return self.padding_mask.sum(-1, keepdim=True)[:, None, :].expand(-1, 1, num_q)
+            # query i sees the real keys among [0, min(i + 1, Nk)).
+            real = self.padding_mask.cumsum(-1)
+            if num_q > num_k:
+                real = torch.cat([real, real[:, -1:].expand(-1, num_q - num_k)], dim=-1)
+            return real[:, None, :num_q]
         rows = torch.arange(num_q, device=device)
         upper = torch.clamp(rows + 1, max=num_k) if self.causal else torch.full_like(rows, num_k)
         lower = torch.clamp(rows - self.window + 1, min=0) if self.window is not None else torch.zeros_like(rows)
         upper, lower = upper.expand(self.batch_size, num_q), lower.expand(self.batch_size, num_q)
         if self.document_ids is not None:
-            doc_start, doc_stop = _run_bounds(self.document_ids)
+            doc_start, doc_stop = self._document_bounds()
             lower, upper = torch.maximum(lower, doc_start), torch.minimum(upper, doc_stop)
         if self.padding_mask is None:
             count = upper - lower
@@ -355,6 +381,13 @@ class Support:
             prefix = prefix.expand(self.batch_size, num_k + 1)
             count = prefix.gather(1, upper) - prefix.gather(1, torch.minimum(lower, upper))
         return count.clamp(min=0)[:, None, :]
+
+    def _document_bounds(self) -> tuple[Tensor, Tensor]:
+        """Start and stop of each position's document (computed once, then reused)."""
+        assert self.document_ids is not None  # only called with documents
+        if self._bounds is None:
+            self._bounds = _run_bounds(self.document_ids)
+        return self._bounds
 
     def is_sample(self) -> Tensor:
         """Whether each query counts: a real token with at least one visible key.
@@ -421,6 +454,7 @@ class Support:
             raise ValueError("This support already has `document_ids`.")
         derived = copy.copy(self)
         derived._num_valid = None
+        derived._bounds = None
         derived.document_ids = derived._check_documents(document_ids)
         derived.batch_size = derived._check_batch_sizes()
         return derived
@@ -466,13 +500,16 @@ def _recognise(attn_mask: Tensor, length: int) -> tuple[Tensor | None, bool, int
     visible = visible[:, 0]
     if visible.shape[1] == 1:  # already broadcast over queries
         return visible[:, 0], False, None, None
-    keys = visible.any(-2)  # (B, N): keys some query sees
     rows = torch.arange(length, device=visible.device)
     lower = rows[None, :] <= rows[:, None]
-    causal = not bool((visible & ~lower).any())
+    causal = not bool(visible.triu(1).any())
+    # (B, N) keys some query sees: under causal order the last query sees them all.
+    keys = visible[:, -1] if causal else visible.any(-2)
     candidate = keys[:, None, :] & lower if causal else keys[:, None, :].expand_as(visible)
     if torch.equal(visible, candidate):
         return _keys_or_none(keys), causal, None, None
+    if causal:
+        keys = visible.any(-2)
     seen = visible.any(-1)
     first = torch.where(seen, visible.to(torch.uint8).argmax(-1), rows)  # (B, N) first visible key per query
     if causal:
