@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -253,7 +254,7 @@ LARGE_LOGIT = 128.0
 KernelCall = tuple[int, int, int, int, Tensor | None, bool]
 
 
-def _kernel_calls(support: Support, dtype: torch.dtype, block: int = QUERY_BLOCK) -> list[KernelCall]:
+def _kernel_calls(support: Support, dtype: torch.dtype, block: int | None = None) -> list[KernelCall]:
     """The support as fused kernels take it, never wider than the mask itself.
 
     Causal order stays a flag and a key mask stays (B, 1, 1, Nk). A window or
@@ -261,6 +262,7 @@ def _kernel_calls(support: Support, dtype: torch.dtype, block: int = QUERY_BLOCK
     block may see, each with its own small mask: hidden blocks are skipped
     and no N x N tensor is built. Only an explicit N x N mask is passed whole.
     """
+    block = QUERY_BLOCK if block is None else block
     if support.window is None and support.document_ids is None:
         attn_mask, is_causal = support.additive_mask(dtype)
         return [(0, support.num_queries, 0, support.num_keys, attn_mask, is_causal)]
@@ -342,6 +344,13 @@ def _fused_lse(q: Tensor, k: Tensor, support: Support, scale: float = 1.0) -> tu
         return None
     if scale <= 0:
         q, scale = q * scale, 1.0
+    return _run_kernel(kernel, q, k, support, scale)
+
+
+def _run_kernel(
+    kernel: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor, support: Support, scale: float
+) -> tuple[Tensor, Tensor]:
+    """(output with V = K, logsumexp) of ``kernel`` over the support's kernel calls, assembled."""
     calls = _kernel_calls(support, q.dtype)
     if len(calls) == 1 and calls[0][:4] == (0, q.shape[2], 0, k.shape[2]):
         return kernel(q, k, calls[0][4], calls[0][5], scale)

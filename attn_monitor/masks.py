@@ -449,14 +449,23 @@ class Support:
         return derived
 
     def with_documents(self, document_ids: Tensor) -> Support:
-        """This support intersected with "same document as the query"."""
-        if self.document_ids is not None:
-            raise ValueError("This support already has `document_ids`.")
+        """This support intersected with "same document as the query".
+
+        Documents already in the support are intersected too: two tokens
+        share a document only if both partitions say so.
+        """
         derived = copy.copy(self)
         derived._num_valid = None
         derived._bounds = None
         derived.document_ids = derived._check_documents(document_ids)
         derived.batch_size = derived._check_batch_sizes()
+        if self.document_ids is not None and derived.document_ids is not None:
+            if self.document_ids.shape[0] not in (1, derived.document_ids.shape[0]):
+                raise ValueError(
+                    f"Expected `document_ids` with the batch size of the support's own ({self.document_ids.shape[0]}), "
+                    f"got shape {tuple(derived.document_ids.shape)}."
+                )
+            derived.document_ids = _refine(self.document_ids.to(derived.document_ids.device), derived.document_ids)
         return derived
 
     def _device(self) -> torch.device:
@@ -478,6 +487,14 @@ class Support:
         if self.mask is not None:
             parts.append("mask" if self.bias is None else "mask+bias")
         return f"Support({', '.join(parts)})"
+
+
+def _refine(first: Tensor, second: Tensor) -> Tensor:
+    """Document ids of the common refinement of two contiguous partitions (B or 1, N)."""
+    batch = max(first.shape[0], second.shape[0])
+    first, second = first.expand(batch, -1), second.expand(batch, -1)
+    change = (first[:, 1:] != first[:, :-1]) | (second[:, 1:] != second[:, :-1])
+    return torch.nn.functional.pad(change.long().cumsum(-1), (1, 0))
 
 
 def _recognise(attn_mask: Tensor, length: int) -> tuple[Tensor | None, bool, int | None, Tensor | None] | None:

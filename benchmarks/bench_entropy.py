@@ -77,7 +77,9 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def make_inputs(n: int, family: str, seed: int = 0, logit_scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor | None, bool]:
+def make_inputs(
+    n: int, family: str, seed: int = 0, logit_scale: float = 1.0
+) -> tuple[Tensor, Tensor, Tensor | None, bool]:
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(BATCH, HEADS, n, HEAD_DIM, generator=generator) * logit_scale
     k = torch.randn(BATCH, HEADS, n, HEAD_DIM, generator=generator)
