@@ -18,6 +18,7 @@ blocks for the exact chunked path, an additive mask for fused kernels.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from torch import Tensor
@@ -199,7 +200,7 @@ class Support:
             Support(num_queries=3, num_keys=3, padding_mask, causal)
         """
         if attn_mask is not None and not is_causal and num_queries == num_keys:
-            structured = _recognise(attn_mask, num_queries)
+            structured = _recognise_once(attn_mask, num_queries)
             if structured is not None:
                 keys, causal, window, documents = structured
                 support = cls(num_queries, num_keys, causal=causal, window=window, document_ids=documents)
@@ -497,7 +498,11 @@ def _refine(first: Tensor, second: Tensor) -> Tensor:
     return torch.nn.functional.pad(change.long().cumsum(-1), (1, 0))
 
 
-def _recognise(attn_mask: Tensor, length: int) -> tuple[Tensor | None, bool, int | None, Tensor | None] | None:
+#: (key mask, causal, window, document ids) of a recognised mask.
+_Structure = tuple[Tensor | None, bool, int | None, Tensor | None]
+
+
+def _recognise(attn_mask: Tensor, length: int) -> _Structure | None:
     """(key mask, causal, window, document ids) of a dense (B, 1, N, N) mask that is exactly such a product.
 
     Each candidate is checked by exact equality with the mask, so a mask
@@ -543,6 +548,23 @@ def _recognise(attn_mask: Tensor, length: int) -> tuple[Tensor | None, bool, int
     if torch.equal(visible, candidate):
         return _keys_or_none(keys), causal, None, documents
     return None
+
+
+#: The last mask recognised: models hand the same mask tensor to every layer.
+_last_recognised: tuple[weakref.ref[Tensor], int, int, _Structure | None] | None = None
+
+
+def _recognise_once(attn_mask: Tensor, length: int) -> _Structure | None:
+    """:func:`_recognise`, reusing the answer for the very tensor seen last if it was not modified since."""
+    global _last_recognised
+    if torch.compiler.is_compiling():
+        return _recognise(attn_mask, length)
+    last = _last_recognised
+    if last is not None and last[0]() is attn_mask and last[1] == attn_mask._version and last[2] == length:
+        return last[3]
+    structured = _recognise(attn_mask, length)
+    _last_recognised = (weakref.ref(attn_mask), attn_mask._version, length, structured)
+    return structured
 
 
 def _keys_or_none(keys: Tensor) -> Tensor | None:

@@ -290,3 +290,15 @@ def test_cuda_branch_folded_groups_match_repeated_keys(monkeypatch: pytest.Monke
     scores = q @ k.repeat_interleave(3, 1).transpose(-1, -2) * 0.3 + mask
     assert torch.allclose(lse, scores.logsumexp(-1), atol=1e-5)
     assert torch.allclose(out, scores.softmax(-1) @ k.repeat_interleave(3, 1), atol=1e-5)
+
+
+def test_recognition_is_reused_only_for_the_unchanged_mask() -> None:
+    spec = spec_of("causal_pad_right", heads=1)
+    dense = ref.dense_support(spec)
+    first = Support.from_sdpa(spec.num_queries, spec.num_keys, dense, False)
+    again = Support.from_sdpa(spec.num_queries, spec.num_keys, dense, False)  # the next layer, same tensor
+    assert torch.equal(again.num_valid(), first.num_valid())
+    dense[0, 0, 5, 2] = False  # changed in place: a hole, no longer causal + padding
+    changed = Support.from_sdpa(spec.num_queries, spec.num_keys, dense, False)
+    assert changed.mask is not None
+    assert torch.equal(changed.num_valid().expand(dense.shape[:3]), ref.num_valid(dense))
