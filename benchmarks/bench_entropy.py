@@ -17,6 +17,7 @@ reference: at ordinary logits, and at logits of ~1e4 (the collapse regime).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import multiprocessing
 import statistics
@@ -147,6 +148,7 @@ def time_paths(n: int, family: str, repeats: int, paths: list[str]) -> tuple[flo
     return statistics.median(base), ratios
 
 
+@functools.cache
 def accuracy(n: int, family: str, logit_scale: float = 1.0) -> float:
     """Largest |fused - float64 dense| entropy over queries with a visible key, in nats."""
     q, k, mask, is_causal = make_inputs(n, family, logit_scale=logit_scale)
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 512, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
-    parser.add_argument("--dense-limit-gib", type=float, default=12.0, help="skip the dense path above this estimate")
+    parser.add_argument("--dense-limit-gib", type=float, default=2.0, help="skip the dense path above this estimate")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)

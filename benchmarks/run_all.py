@@ -5,7 +5,7 @@ Sections, in order (each one's failure is reported and the rest still run):
 * ``bench_entropy``: the entropy kernel per mask family at N = 128 .. 4096,
   paired ratios to the model's own SDPA call. The dense path materialises
   (B, H, N, N) float32 tensors, several at once; where that would need more
-  than ``--dense-limit-gib`` (default 12 GiB) it is left out ("—").
+  than ``--dense-limit-gib`` (default 2 GiB: N <= 2048) it is left out ("—").
 * ``bench_capture`` (when ``benchmarks/bench_capture.py`` exists): capture
   cost in real models.
 * ``bench_monitor``: the Lightning callback's cost and the metric's DDP sync.
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     parser.add_argument("--monitor-threads", type=int, default=1, help="torch threads for bench_monitor (default 1)")
     parser.add_argument(
-        "--dense-limit-gib", type=float, default=12.0, help="skip the dense entropy path above this estimate"
+        "--dense-limit-gib", type=float, default=2.0, help="skip the dense entropy path above this estimate"
     )
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) if args.quick else HERE)
