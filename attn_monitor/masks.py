@@ -203,7 +203,10 @@ class Support:
             structured = _recognise_once(attn_mask, num_queries)
             if structured is not None:
                 keys, causal, window, documents = structured
-                support = cls(num_queries, num_keys, causal=causal, window=window, document_ids=documents)
+                support = cls(num_queries, num_keys, causal=causal, window=window)
+                if documents is not None:  # contiguous runs by construction: no need to check them again
+                    support.document_ids = documents
+                    support.batch_size = support._check_batch_sizes()
                 return support if keys is None else support._restricted(keys)
         return cls(num_queries, num_keys, causal=is_causal, mask=attn_mask)
 

@@ -302,3 +302,15 @@ def test_recognition_is_reused_only_for_the_unchanged_mask() -> None:
     changed = Support.from_sdpa(spec.num_queries, spec.num_keys, dense, False)
     assert changed.mask is not None
     assert torch.equal(changed.num_valid().expand(dense.shape[:3]), ref.num_valid(dense))
+
+
+@pytest.mark.parametrize("family", ["window_pad_causal", "documents_pad"])
+def test_blocked_calls_at_large_logits(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(functional, "QUERY_BLOCK", 8)
+    spec = spec_of(family, length=40, seed=5)
+    q, k = large_qk(spec, 1e4, "shared")
+    want = ref.entropy_from_qk(q, k, ref.dense_support(spec))
+    assert want[~torch.isnan(want)].mean() > 0.5
+    got = entropy_from_qk(q, k, mask=support_of(spec), method="fused")
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert (got.double() - want).abs().nan_to_num(0.0).max() <= TOL
