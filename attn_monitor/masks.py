@@ -553,20 +553,24 @@ def _recognise(attn_mask: Tensor, length: int) -> _Structure | None:
     return None
 
 
-#: The last mask recognised: models hand the same mask tensor to every layer.
-_last_recognised: tuple[weakref.ref[Tensor], int, int, _Structure | None] | None = None
+#: The last mask recognised: models hand the same mask to every layer (often
+#: through a fresh ``detach()`` per call), so it is known by its storage, which
+#: the weak reference does not keep alive, its view and its version counter.
+_last_recognised: tuple[weakref.ref[torch.UntypedStorage], tuple, int, _Structure | None] | None = None
 
 
 def _recognise_once(attn_mask: Tensor, length: int) -> _Structure | None:
-    """:func:`_recognise`, reusing the answer for the very tensor seen last if it was not modified since."""
+    """:func:`_recognise`, reusing the answer for the mask seen last if it was not modified since."""
     global _last_recognised
     if torch.compiler.is_compiling():
         return _recognise(attn_mask, length)
+    storage = attn_mask.untyped_storage()
+    view = (attn_mask.storage_offset(), tuple(attn_mask.shape), attn_mask.stride(), attn_mask.dtype, length)
     last = _last_recognised
-    if last is not None and last[0]() is attn_mask and last[1] == attn_mask._version and last[2] == length:
+    if last is not None and last[0]() is storage and last[1] == view and last[2] == attn_mask._version:
         return last[3]
     structured = _recognise(attn_mask, length)
-    _last_recognised = (weakref.ref(attn_mask), attn_mask._version, length, structured)
+    _last_recognised = (weakref.ref(storage), view, attn_mask._version, structured)
     return structured
 
 

@@ -314,3 +314,27 @@ def test_blocked_calls_at_large_logits(family: str, monkeypatch: pytest.MonkeyPa
     got = entropy_from_qk(q, k, mask=support_of(spec), method="fused")
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     assert (got.double() - want).abs().nan_to_num(0.0).max() <= TOL
+
+
+def test_recognition_follows_the_storage_through_detach() -> None:
+    spec = spec_of("causal_pad_right", heads=1)
+    dense = ref.dense_support(spec)
+    Support.from_sdpa(spec.num_queries, spec.num_keys, dense.detach(), False)
+    view = dense.detach()  # the next layer's call: another tensor object, same storage
+    view[1, 0, 3, 1] = False  # and now modified in place through the view
+    changed = Support.from_sdpa(spec.num_queries, spec.num_keys, dense.detach(), False)
+    assert changed.mask is not None
+    assert torch.equal(changed.num_valid().expand(dense.shape[:3]), ref.num_valid(dense))
+
+
+def test_recognition_runs_once_for_a_mask_every_layer_gets(monkeypatch: pytest.MonkeyPatch) -> None:
+    import attn_monitor.masks as masks
+
+    calls = []
+    real = masks._recognise
+    monkeypatch.setattr(masks, "_recognise", lambda *args: calls.append(1) or real(*args))
+    spec = spec_of("window_pad_causal", heads=1, seed=11)
+    dense = ref.dense_support(spec)
+    supports = [Support.from_sdpa(spec.num_queries, spec.num_keys, dense.detach(), False) for _ in range(4)]
+    assert len(calls) == 1
+    assert all(torch.equal(s.num_valid(), supports[0].num_valid()) for s in supports)
