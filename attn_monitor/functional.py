@@ -116,11 +116,11 @@ def normalize_entropy(entropy: Tensor, num_valid: Tensor) -> Tensor:
 
 def _finish(entropy: Tensor, num_valid: Tensor, normalize: bool) -> Tensor:
     """Apply the shared NaN rules and bounds to raw per-query entropy."""
-    count = num_valid.to(entropy.dtype).expand_as(entropy)
-    upper = torch.where(count > 0, count, torch.ones_like(count)).log()
+    count = num_valid.to(entropy.dtype)
+    # ln(count) bounds the entropy; NaN (no visible key) propagates through the minimum.
+    upper = count.log().masked_fill(count == 0, math.nan)
     # ``+ 0.0`` turns the -0.0 of a one-hot row into 0.0.
-    bounded = torch.minimum(entropy.clamp(min=0.0), upper) + 0.0
-    entropy = torch.where(count > 0, bounded, torch.full_like(entropy, math.nan))
+    entropy = torch.minimum(entropy.clamp(min=0.0), upper) + 0.0
     return normalize_entropy(entropy, count) if normalize else entropy
 
 
@@ -260,35 +260,137 @@ def _as_support(mask: Tensor | Support | None, is_causal: bool, num_queries: int
                 f"got one for {mask.num_queries} and {mask.num_keys}."
             )
         return mask
-    return Support(num_queries, num_keys, causal=is_causal, mask=mask)
+    return Support.from_sdpa(num_queries, num_keys, mask, is_causal)
 
 
-def _fused_lse(q: Tensor, k: Tensor, support: Support) -> tuple[Tensor, Tensor] | None:
-    """(output of attention with V = K, logsumexp) from a fused kernel, or None.
+#: Query rows per kernel call when a window or packed documents hide whole key blocks.
+QUERY_BLOCK = 256
 
-    ``q`` comes pre-scaled and the kernels get ``scale=1``: the CPU kernel
-    returns NaN for causal rows with a mask when its scale is <= 0.
+#: Above this |logsumexp| the float32 identity ``lse - <q, out>`` subtracts two
+#: numbers so large that their rounding (~6e-8 relative each) nears 1e-4 nats:
+#: the call is redone in float64.
+LARGE_LOGIT = 128.0
+
+#: One fused kernel call: query rows, key columns, additive mask (broadcastable
+#: to (B, H, rows, columns)) or None, causal flag (top-left aligned).
+KernelCall = tuple[int, int, int, int, Tensor | None, bool]
+
+
+def _kernel_calls(support: Support, dtype: torch.dtype, block: int | None = None) -> list[KernelCall]:
+    """The support as fused kernels take it, never wider than the mask itself.
+
+    Causal order stays a flag and a key mask stays (B, 1, 1, Nk). A window or
+    packed documents become one call per block of queries over the keys the
+    block may see, each with its own small mask: hidden blocks are skipped
+    and no N x N tensor is built. Only an explicit N x N mask is passed whole.
     """
-    attn_mask, is_causal = support.additive_mask(q.dtype)
-    if q.device.type == "cpu":
-        kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        out, lse = kernel(q, k, k, is_causal=is_causal, attn_mask=attn_mask, scale=1.0)
-        return out, lse
-    if q.device.type == "cuda":
-        if k.shape[1] != q.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        bias = None
-        if attn_mask is not None:
-            bias = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).contiguous()
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, k, bias, True, 0.0, is_causal, scale=1.0
-        )
-        return out, lse[..., : q.shape[2]]
-    return None
+    block = QUERY_BLOCK if block is None else block
+    if support.window is None and support.document_ids is None:
+        attn_mask, is_causal = support.additive_mask(dtype)
+        return [(0, support.num_queries, 0, support.num_keys, attn_mask, is_causal)]
+    if support.num_queries <= block:  # one block: nothing to skip
+        visible = support.block(0, support.num_queries, 0, support.num_keys)
+        return [(0, support.num_queries, 0, support.num_keys, _additive(visible, dtype), False)]
+    calls: list[KernelCall] = []
+    for q_start, q_stop, k_start, k_stop in support.key_blocks(block):
+        if k_stop > k_start:
+            visible = support.block(q_start, q_stop, k_start, k_stop)
+            calls.append((q_start, q_stop, k_start, k_stop, _additive(visible, dtype), False))
+    return calls
+
+
+def _additive(visible: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    if visible is None:
+        return None
+    while visible.dim() < 4:
+        visible = visible.unsqueeze(0)
+    hidden = torch.full((), -math.inf, dtype=dtype, device=visible.device)
+    return torch.where(visible, torch.zeros((), dtype=dtype, device=visible.device), hidden)
+
+
+def _cpu_attention(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """(attention output with V = K, logsumexp) from the CPU flash kernel; GQA keys and broadcast masks as they are."""
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = kernel(q, k, k, is_causal=is_causal, attn_mask=mask, scale=scale)
+    return out, lse
+
+
+#: The efficient-attention kernel wants the bias rows aligned to this many elements.
+_BIAS_ALIGNMENT = 16
+
+
+def _cuda_attention(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """(attention output with V = K, logsumexp) from the efficient-attention kernel.
+
+    The mask goes in as a broadcast view of its own (B|1, H|1, Nq|1, Nk)
+    storage, as SDPA itself passes it: never expanded to (B, H, Nq, Nk).
+    Grouped-query keys are not copied when every query of a group sees the
+    same keys (no causal order, a key mask): the group's queries are folded
+    into one longer query sequence. Otherwise keys are repeated (O(B H N D)).
+    """
+    batch, heads, num_q, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    fold = group > 1 and not is_causal and (mask is None or (mask.shape[1] == 1 and mask.shape[2] == 1))
+    if fold:
+        q = q.reshape(batch, kv_heads, group * num_q, head_dim)
+    elif group > 1:
+        k = k.repeat_interleave(group, dim=1)
+    bias = None
+    if mask is not None:
+        width = mask.shape[-1]
+        if width % _BIAS_ALIGNMENT:
+            padded = torch.nn.functional.pad(mask, (0, _BIAS_ALIGNMENT - width % _BIAS_ALIGNMENT))
+            mask = padded[..., :width]
+        bias = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, k, bias, True, 0.0, is_causal, scale=scale
+    )
+    lse = lse[..., : q.shape[2]]
+    if fold:
+        out, lse = out.reshape(batch, heads, num_q, head_dim), lse.reshape(batch, heads, num_q)
+    return out, lse
+
+
+_KERNELS = {"cpu": _cpu_attention, "cuda": _cuda_attention}
+
+
+def _fused_lse(q: Tensor, k: Tensor, support: Support, scale: float = 1.0) -> tuple[Tensor, Tensor] | None:
+    """(output of attention with V = K, logsumexp) from fused kernels, or None where there is none.
+
+    The CPU kernel returns NaN for causal rows with a mask when its scale is
+    <= 0: such a scale is folded into ``q`` instead.
+    """
+    kernel = _KERNELS.get(q.device.type)
+    if kernel is None:
+        return None
+    if scale <= 0:
+        q, scale = q * scale, 1.0
+    return _run_kernel(kernel, q, k, support, scale)
+
+
+def _run_kernel(
+    kernel: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor, support: Support, scale: float
+) -> tuple[Tensor, Tensor]:
+    """(output with V = K, logsumexp) of ``kernel`` over the support's kernel calls, assembled."""
+    calls = _kernel_calls(support, q.dtype)
+    if len(calls) == 1 and calls[0][:4] == (0, q.shape[2], 0, k.shape[2]):
+        return kernel(q, k, calls[0][4], calls[0][5], scale)
+    out = q.new_zeros(q.shape)
+    lse = q.new_zeros(q.shape[:3])
+    for q_start, q_stop, k_start, k_stop, mask, is_causal in calls:
+        part_out, part_lse = kernel(q[:, :, q_start:q_stop], k[:, :, k_start:k_stop], mask, is_causal, scale)
+        out[:, :, q_start:q_stop] = part_out
+        lse[:, :, q_start:q_stop] = part_lse
+    return out, lse
 
 
 def _chunked_pass(q: Tensor, k: Tensor, support: Support, scale: float, memory_budget: int) -> tuple[Tensor, Tensor]:
-    """Exact (logsumexp, entropy) over query blocks; key blocks the structure hides are skipped."""
+    """Exact (logsumexp, entropy) over query blocks; key blocks the structure hides are skipped.
+
+    A block whose logits are large (``LARGE_LOGIT``) is redone in float64:
+    float32 logits of ~1e4 carry ~1e-3 of rounding each.
+    """
     batch, heads, num_q, _ = q.shape
     if k.shape[1] != heads:
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
@@ -298,20 +400,39 @@ def _chunked_pass(q: Tensor, k: Tensor, support: Support, scale: float, memory_b
     block = max(1, min(num_q, memory_budget // max(1, bytes_per_row)))
     lse = q.new_full((batch, heads, num_q), -math.inf)
     entropy = q.new_full((batch, heads, num_q), math.nan)
-    for q_start in range(0, num_q, block):
-        q_stop = min(num_q, q_start + block)
-        k_start, k_stop = support.key_range(q_start, q_stop)
+    for q_start, q_stop, k_start, k_stop in support.key_blocks(block):
         if k_stop == k_start:
             continue
-        scores = (q[:, :, q_start:q_stop] * scale) @ k[:, :, k_start:k_stop].transpose(-1, -2)
-        if support.bias is not None:
-            scores = scores + support.bias[..., q_start:q_stop, k_start:k_stop].to(scores.dtype)
-        visible = support.block(q_start, q_stop, k_start, k_stop)
-        if visible is not None:
-            scores = scores.masked_fill(~visible, -math.inf)
-        lse[:, :, q_start:q_stop] = scores.logsumexp(-1)
-        entropy[:, :, q_start:q_stop] = _logits_entropy(scores, None)
+        block_lse, block_entropy = _block_entropy(q, k, support, scale, (q_start, q_stop, k_start, k_stop), q.dtype)
+        if q.dtype != torch.float64 and _is_large(block_lse):
+            block_lse, block_entropy = _block_entropy(
+                q, k, support, scale, (q_start, q_stop, k_start, k_stop), torch.float64
+            )
+        lse[:, :, q_start:q_stop] = block_lse
+        entropy[:, :, q_start:q_stop] = block_entropy
     return lse, entropy
+
+
+def _block_entropy(
+    q: Tensor, k: Tensor, support: Support, scale: float, bounds: tuple[int, int, int, int], dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    q_start, q_stop, k_start, k_stop = bounds
+    scores = (q[:, :, q_start:q_stop].to(dtype) * scale) @ k[:, :, k_start:k_stop].to(dtype).transpose(-1, -2)
+    bias = support.bias_block(q_start, q_stop, k_start, k_stop)
+    if bias is not None:
+        scores = scores + bias.to(dtype)
+    visible = support.block(q_start, q_stop, k_start, k_stop)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -math.inf)
+    return scores.logsumexp(-1), _logits_entropy(scores, None)
+
+
+def _is_large(lse: Tensor) -> bool:
+    """Whether any finite logsumexp is beyond ``LARGE_LOGIT`` (one device round trip when it is not)."""
+    if not bool(lse.abs().amax() > LARGE_LOGIT):  # NaN compares False
+        return False
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
+    return bool(finite.abs().amax() > LARGE_LOGIT)
 
 
 _warned_fallback: set[str] = set()
@@ -371,7 +492,7 @@ def entropy_from_qk(
     _check_qk_values(q, k, mask, scale)
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, method, memory_budget)
     _, entropy = _qk_pass(q, k, support, scale, method, memory_budget)
-    return _finish(entropy, support.num_valid(), normalize)
+    return _finish(entropy, support.num_valid().to(entropy.device), normalize)
 
 
 def attention_lse(
@@ -474,9 +595,8 @@ def _qk_pass(
             if method == "fused":
                 raise ValueError("`method='fused'` cannot take an additive bias in `mask`; use 'chunked' or 'auto'.")
         else:
-            q_scaled = q * scale
             try:
-                fused = _fused_lse(q_scaled, k, support)
+                fused = _fused_entropy(q, k, support, scale)
             except RuntimeError as error:
                 if method == "fused":
                     raise
@@ -489,14 +609,35 @@ def _qk_pass(
                         stacklevel=3,
                     )
             if fused is not None:
-                out, lse = fused
-                entropy = lse.to(q.dtype) - (q_scaled * out.to(q.dtype)).sum(-1)
-                # The kernels return lse 0 for rows with no visible key.
-                empty = (support.num_valid() == 0).expand_as(entropy)
-                return lse.to(q.dtype).masked_fill(empty, -math.inf), entropy
+                return fused
             if method == "fused":
                 raise ValueError(f"`method='fused'` has no kernel on device {q.device.type}; use 'chunked' or 'auto'.")
     return _chunked_pass(q, k, support, scale, memory_budget)
+
+
+def _fused_entropy(q: Tensor, k: Tensor, support: Support, scale: float) -> tuple[Tensor, Tensor] | None:
+    """(logsumexp, entropy) by the fused kernels, or None where a device has none.
+
+    Large logits (``LARGE_LOGIT``) take the exact route: the CPU kernel again
+    in float64, elsewhere the chunked path in float64, so the identity never
+    cancels two float32 numbers of ~1e4.
+    """
+    fused = _fused_lse(q, k, support, scale)
+    if fused is None:
+        return None
+    out, lse = fused
+    dtype = q.dtype
+    if dtype != torch.float64 and _is_large(lse):
+        if q.device.type != "cpu":
+            lse, entropy = _chunked_pass(q.double(), k.double(), support, scale, DEFAULT_MEMORY_BUDGET)
+            return lse.to(dtype), entropy.to(dtype)
+        q, k = q.double(), k.double()
+        out, lse = _fused_lse(q, k, support, scale) or (out, lse)
+    entropy = lse.sub(out.mul_(q).sum(-1), alpha=scale)
+    if support.may_hide_every_key:
+        # The kernels return lse 0 for rows with no visible key.
+        lse = lse.masked_fill(support.num_valid().to(lse.device) == 0, -math.inf)
+    return lse.to(dtype), entropy.to(dtype)
 
 
 def histogram_quantile(counts: Tensor, q: float, *, low: float = 0.0, high: float = 1.0) -> Tensor:

@@ -18,6 +18,7 @@ blocks for the exact chunked path, an additive mask for fused kernels.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from torch import Tensor
@@ -48,6 +49,19 @@ def _check_padding(name: str, value: Tensor | None, length: int) -> Tensor | Non
     return value.bool()
 
 
+def _compact(mask: Tensor) -> Tensor:
+    """``mask`` with every broadcast (stride-0) dim cut back to size 1: a view, nothing copied."""
+    for dim in range(mask.dim()):
+        if mask.shape[dim] > 1 and mask.stride(dim) == 0:
+            mask = mask.narrow(dim, 0, 1)
+    return mask
+
+
+def _window(part: Tensor, dim: int, start: int, stop: int) -> Tensor:
+    """``part[start:stop]`` along ``dim``, leaving a broadcast (size-1) dim as it is."""
+    return part if part.shape[dim] == 1 else part.narrow(dim, start, stop - start)
+
+
 def _mask_to_bool_and_bias(mask: Tensor) -> tuple[Tensor, Tensor | None]:
     """Split an SDPA-style mask into visibility and any additive bias.
 
@@ -67,6 +81,10 @@ def _mask_to_bool_and_bias(mask: Tensor) -> tuple[Tensor, Tensor | None]:
     if not bias.any():
         return visible, None
     return visible, bias
+
+
+#: Counts of supports without any mask tensor (causal order, a window), by shape.
+_STATIC_COUNTS: dict[tuple[int, int, bool, int | None], Tensor] = {}
 
 
 class Support:
@@ -151,21 +169,29 @@ class Support:
                 raise ValueError(f"Expected `mask` with at most 4 dims, got shape {tuple(mask.shape)}.")
             while mask.dim() < 4:
                 mask = mask.unsqueeze(0)
-            # A view, so query/key blocks can be sliced from a mask given as (..., 1, Nk).
-            mask = mask.expand(*mask.shape[:2], num_queries, num_keys)
-            self.mask, self.bias = _mask_to_bool_and_bias(mask)
+            # Kept in its broadcast shape: a (B, 1, 1, Nk) mask never grows to (B, 1, Nq, Nk).
+            self.mask, self.bias = _mask_to_bool_and_bias(_compact(mask))
+            if self.bias is None and self.mask.shape[1] == 1 and self.mask.shape[2] == 1:
+                # Query- and head-independent: a key mask, with closed-form counts and no N x N tensor.
+                keys = self.mask[:, 0, 0, :].expand(self.mask.shape[0], num_keys)
+                self.padding_mask = keys if self.padding_mask is None else self.padding_mask & keys
+                self.mask = None
         self.batch_size = self._check_batch_sizes()
         self._num_valid: Tensor | None = None
+        self._bounds: tuple[Tensor, Tensor] | None = None
 
     @classmethod
     def from_sdpa(cls, num_queries: int, num_keys: int, attn_mask: Tensor | None, is_causal: bool) -> Support:
         """The support of an SDPA call, in structured form where the mask allows.
 
-        Models (Hugging Face among them) often pass causal order and key
-        padding as one dense (B, 1, N, N) bool mask. Recognised, it becomes
-        ``causal=True`` plus a key padding mask: closed-form counts, and fused
-        kernels that skip the hidden upper triangle. Any other mask is kept
-        as it is.
+        Models pass causal order, key padding, sliding windows and packed
+        documents as one dense (B, 1, N, N) mask, bool or additive (0 and
+        ``-inf`` or the dtype's minimum). Recognised, it becomes ``causal``,
+        ``window``, ``document_ids`` and a key mask: closed-form counts, and
+        fused kernels that skip hidden blocks and never see an N x N tensor.
+        Masks that broadcast over queries are key masks already. Which
+        queries are samples is not taken from the mask. Any other mask is
+        kept as it is.
 
         Example:
             >>> padding = torch.tensor([[True, True, False]])
@@ -173,23 +199,15 @@ class Support:
             >>> Support.from_sdpa(3, 3, dense, False)
             Support(num_queries=3, num_keys=3, padding_mask, causal)
         """
-        if (
-            attn_mask is not None
-            and not is_causal
-            and attn_mask.dtype == torch.bool
-            and attn_mask.dim() == 4
-            and attn_mask.shape[1] == 1
-            and num_queries == num_keys
-            and tuple(attn_mask.shape[-2:]) == (num_queries, num_keys)
-        ):
-            # Under causal order the last query sees every real key.
-            padding = attn_mask[:, 0, -1, :]
-            rows = torch.arange(num_queries, device=attn_mask.device)
-            causal = rows[None, :] <= rows[:, None]
-            if torch.equal(attn_mask, causal & padding[:, None, None, :]):
-                return cls(
-                    num_queries, num_keys, padding_mask=padding, query_mask=torch.ones_like(padding), causal=True
-                )
+        if attn_mask is not None and not is_causal and num_queries == num_keys:
+            structured = _recognise_once(attn_mask, num_queries)
+            if structured is not None:
+                keys, causal, window, documents = structured
+                support = cls(num_queries, num_keys, causal=causal, window=window)
+                if documents is not None:  # contiguous runs by construction: no need to check them again
+                    support.document_ids = documents
+                    support.batch_size = support._check_batch_sizes()
+                return support if keys is None else support._restricted(keys)
         return cls(num_queries, num_keys, causal=is_causal, mask=attn_mask)
 
     def _check_documents(self, document_ids: Tensor | None) -> Tensor | None:
@@ -260,7 +278,7 @@ class Support:
             docs = self.document_ids
             meet(docs[:, None, q_start:q_stop, None] == docs[:, None, None, k_start:k_stop])
         if self.mask is not None:
-            meet(self.mask[..., q_start:q_stop, k_start:k_stop])
+            meet(_window(_window(self.mask, 2, q_start, q_stop), 3, k_start, k_stop))
         return visible
 
     def dense(self) -> Tensor:
@@ -277,12 +295,47 @@ class Support:
 
         Lets the chunked path skip key blocks the structure hides entirely.
         """
-        k_start, k_stop = 0, self.num_keys
+        return self.key_blocks(q_stop - q_start, q_start, q_stop)[0][2:]
+
+    def key_blocks(self, block: int, q_start: int = 0, q_stop: int | None = None) -> list[tuple[int, int, int, int]]:
+        """``(q_start, q_stop, k_start, k_stop)`` per block of ``block`` queries: the keys each block may see.
+
+        Causal order, a window and packed documents bound the range; keys
+        outside it are hidden from every query of the block, so a kernel can
+        skip them. One device round trip in all (documents only).
+        """
+        q_stop = self.num_queries if q_stop is None else q_stop
+        starts = list(range(q_start, q_stop, block))
+        stops = [min(q_stop, start + block) for start in starts]
+        k_starts, k_stops = [0] * len(starts), [self.num_keys] * len(starts)
+        if self.document_ids is not None:
+            doc_start, doc_stop = self._document_bounds()
+            bounds = torch.stack(
+                [
+                    torch.stack([doc_start[:, a:b].amin(), doc_stop[:, a:b].amax()])
+                    for a, b in zip(starts, stops, strict=True)
+                ]
+            ).tolist()
+            k_starts, k_stops = [int(low) for low, _ in bounds], [int(high) for _, high in bounds]
         if self.causal:
-            k_stop = min(k_stop, q_stop)
+            k_stops = [min(high, stop) for high, stop in zip(k_stops, stops, strict=True)]
             if self.window is not None:
-                k_start = max(0, q_start - self.window + 1)
-        return k_start, max(k_start, k_stop)
+                k_starts = [max(low, start - self.window + 1) for low, start in zip(k_starts, starts, strict=True)]
+        return [
+            (start, stop, low, max(low, high))
+            for start, stop, low, high in zip(starts, stops, k_starts, k_stops, strict=True)
+        ]
+
+    def bias_block(self, q_start: int, q_stop: int, k_start: int, k_stop: int) -> Tensor | None:
+        """The additive bias of an explicit float mask on one block (broadcastable), or None."""
+        if self.bias is None:
+            return None
+        return _window(_window(self.bias, 2, q_start, q_stop), 3, k_start, k_stop)
+
+    @property
+    def may_hide_every_key(self) -> bool:
+        """Whether some query might see no key at all (never with causal order or no mask alone)."""
+        return self.padding_mask is not None or self.document_ids is not None or self.mask is not None
 
     def num_valid(self) -> Tensor:
         """Number of visible keys per query (computed once, then reused).
@@ -292,7 +345,15 @@ class Support:
             explicit per-head mask is involved.
         """
         if self._num_valid is None:
-            self._num_valid = self._count_valid()
+            if self.may_hide_every_key:
+                self._num_valid = self._count_valid()
+            else:  # the same for every call of this shape: computed once per process
+                key = (self.num_queries, self.num_keys, self.causal, self.window)
+                if key not in _STATIC_COUNTS:
+                    if len(_STATIC_COUNTS) >= 64:
+                        _STATIC_COUNTS.clear()
+                    _STATIC_COUNTS[key] = self._count_valid()
+                self._num_valid = _STATIC_COUNTS[key]
         return self._num_valid
 
     def _count_valid(self) -> Tensor:
@@ -301,12 +362,20 @@ class Support:
             return visible.sum(-1, dtype=torch.long)
         device = self._device()
         num_q, num_k = self.num_queries, self.num_keys
+        if self.window is None and self.document_ids is None and self.padding_mask is not None:
+            if not self.causal:  # a key mask: the same count for every query
+                return self.padding_mask.sum(-1, keepdim=True)[:, None, :].expand(-1, 1, num_q)
+            # query i sees the real keys among [0, min(i + 1, Nk)).
+            real = self.padding_mask.cumsum(-1)
+            if num_q > num_k:
+                real = torch.cat([real, real[:, -1:].expand(-1, num_q - num_k)], dim=-1)
+            return real[:, None, :num_q]
         rows = torch.arange(num_q, device=device)
         upper = torch.clamp(rows + 1, max=num_k) if self.causal else torch.full_like(rows, num_k)
         lower = torch.clamp(rows - self.window + 1, min=0) if self.window is not None else torch.zeros_like(rows)
         upper, lower = upper.expand(self.batch_size, num_q), lower.expand(self.batch_size, num_q)
         if self.document_ids is not None:
-            doc_start, doc_stop = _run_bounds(self.document_ids)
+            doc_start, doc_stop = self._document_bounds()
             lower, upper = torch.maximum(lower, doc_start), torch.minimum(upper, doc_stop)
         if self.padding_mask is None:
             count = upper - lower
@@ -316,6 +385,13 @@ class Support:
             prefix = prefix.expand(self.batch_size, num_k + 1)
             count = prefix.gather(1, upper) - prefix.gather(1, torch.minimum(lower, upper))
         return count.clamp(min=0)[:, None, :]
+
+    def _document_bounds(self) -> tuple[Tensor, Tensor]:
+        """Start and stop of each position's document (computed once, then reused)."""
+        assert self.document_ids is not None  # only called with documents
+        if self._bounds is None:
+            self._bounds = _run_bounds(self.document_ids)
+        return self._bounds
 
     def is_sample(self) -> Tensor:
         """Whether each query counts: a real token with at least one visible key.
@@ -357,6 +433,9 @@ class Support:
         """
         checked = _check_padding("keys", keys, self.num_keys)
         assert checked is not None  # only None for None input
+        return self._restricted(checked)
+
+    def _restricted(self, checked: Tensor) -> Support:
         derived = copy.copy(self)
         derived._num_valid = None
         derived.padding_mask = checked if self.padding_mask is None else self.padding_mask & checked
@@ -374,13 +453,23 @@ class Support:
         return derived
 
     def with_documents(self, document_ids: Tensor) -> Support:
-        """This support intersected with "same document as the query"."""
-        if self.document_ids is not None:
-            raise ValueError("This support already has `document_ids`.")
+        """This support intersected with "same document as the query".
+
+        Documents already in the support are intersected too: two tokens
+        share a document only if both partitions say so.
+        """
         derived = copy.copy(self)
         derived._num_valid = None
+        derived._bounds = None
         derived.document_ids = derived._check_documents(document_ids)
         derived.batch_size = derived._check_batch_sizes()
+        if self.document_ids is not None and derived.document_ids is not None:
+            if self.document_ids.shape[0] not in (1, derived.document_ids.shape[0]):
+                raise ValueError(
+                    f"Expected `document_ids` with the batch size of the support's own ({self.document_ids.shape[0]}), "
+                    f"got shape {tuple(derived.document_ids.shape)}."
+                )
+            derived.document_ids = _refine(self.document_ids.to(derived.document_ids.device), derived.document_ids)
         return derived
 
     def _device(self) -> torch.device:
@@ -402,6 +491,91 @@ class Support:
         if self.mask is not None:
             parts.append("mask" if self.bias is None else "mask+bias")
         return f"Support({', '.join(parts)})"
+
+
+def _refine(first: Tensor, second: Tensor) -> Tensor:
+    """Document ids of the common refinement of two contiguous partitions (B or 1, N)."""
+    batch = max(first.shape[0], second.shape[0])
+    first, second = first.expand(batch, -1), second.expand(batch, -1)
+    change = (first[:, 1:] != first[:, :-1]) | (second[:, 1:] != second[:, :-1])
+    return torch.nn.functional.pad(change.long().cumsum(-1), (1, 0))
+
+
+#: (key mask, causal, window, document ids) of a recognised mask.
+_Structure = tuple[Tensor | None, bool, int | None, Tensor | None]
+
+
+def _recognise(attn_mask: Tensor, length: int) -> _Structure | None:
+    """(key mask, causal, window, document ids) of a dense (B, 1, N, N) mask that is exactly such a product.
+
+    Each candidate is checked by exact equality with the mask, so a mask
+    with any other pattern is left alone (None).
+    """
+    if attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or tuple(attn_mask.shape[-2:]) != (length, length):
+        return None
+    mask = _compact(attn_mask)
+    if mask.dtype == torch.bool:
+        visible = mask
+    elif mask.dtype.is_floating_point:
+        visible = mask > torch.finfo(mask.dtype).min / 2
+        if mask.masked_fill(~visible, 0.0).any():
+            return None  # a bias, not only a support
+    else:
+        return None
+    visible = visible[:, 0]
+    if visible.shape[1] == 1:  # already broadcast over queries
+        return visible[:, 0], False, None, None
+    rows = torch.arange(length, device=visible.device)
+    lower = rows[None, :] <= rows[:, None]
+    causal = not bool(visible.triu(1).any())
+    # (B, N) keys some query sees: under causal order the last query sees them all.
+    keys = visible[:, -1] if causal else visible.any(-2)
+    candidate = keys[:, None, :] & lower if causal else keys[:, None, :].expand_as(visible)
+    if torch.equal(visible, candidate):
+        return _keys_or_none(keys), causal, None, None
+    if causal:
+        keys = visible.any(-2)
+    seen = visible.any(-1)
+    first = torch.where(seen, visible.to(torch.uint8).argmax(-1), rows)  # (B, N) first visible key per query
+    if causal:
+        window = int((rows - first).masked_fill(~seen, 0).amax()) + 1
+        band = lower & (rows[None, :] > rows[:, None] - window)
+        if window < length and torch.equal(visible, band & keys[:, None, :]):
+            return _keys_or_none(keys), True, window, None
+    # Packed documents: the queries of a document share their first visible key.
+    documents = first.cummax(-1).values
+    same = documents[:, :, None] == documents[:, None, :]
+    candidate = same & keys[:, None, :]
+    if causal:
+        candidate = candidate & lower
+    if torch.equal(visible, candidate):
+        return _keys_or_none(keys), causal, None, documents
+    return None
+
+
+#: The last mask recognised: models hand the same mask to every layer (often
+#: through a fresh ``detach()`` per call), so it is known by its storage, which
+#: the weak reference does not keep alive, its view and its version counter.
+_last_recognised: tuple[weakref.ref[torch.UntypedStorage], tuple, int, _Structure | None] | None = None
+
+
+def _recognise_once(attn_mask: Tensor, length: int) -> _Structure | None:
+    """:func:`_recognise`, reusing the answer for the mask seen last if it was not modified since."""
+    global _last_recognised
+    if torch.compiler.is_compiling():
+        return _recognise(attn_mask, length)
+    storage = attn_mask.untyped_storage()
+    view = (attn_mask.storage_offset(), tuple(attn_mask.shape), attn_mask.stride(), attn_mask.dtype, length)
+    last = _last_recognised
+    if last is not None and last[0]() is storage and last[1] == view and last[2] == attn_mask._version:
+        return last[3]
+    structured = _recognise(attn_mask, length)
+    _last_recognised = (weakref.ref(storage), view, attn_mask._version, structured)
+    return structured
+
+
+def _keys_or_none(keys: Tensor) -> Tensor | None:
+    return None if bool(keys.all()) else keys
 
 
 def _run_bounds(document_ids: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,16 +1,23 @@
-"""Entropy kernel cost: fused and chunked ``entropy_from_qk`` vs plain SDPA vs the dense path.
+"""Entropy kernel cost per mask family: ``entropy_from_qk`` vs the model's own SDPA call.
 
-Times are medians of interleaved repeats in one process, reported as ratios
-to a plain SDPA forward on the same inputs. Peak memory is measured in a
-child process per configuration (resident-set growth above the child's start),
-so one path's allocations never hide another's.
+Each mask family is given to both exactly as models pass it to
+``F.scaled_dot_product_attention`` (a causal flag, a (B, 1, 1, N) key-padding
+mask, a dense (B, 1, N, N) causal+padding mask in bool or additive form, a
+dense sliding window, dense block-diagonal packed documents). Times are
+interleaved: every repeat runs SDPA and then each path on the same inputs,
+and the table gives the median over repeats of the paired ratio path / SDPA
+with its range [min-max], so load shared with other processes cancels out
+as far as it can. Peak memory is the resident-set growth of one call in a
+fresh child process. The error columns compare with a float64 dense
+reference: at ordinary logits, and at logits of ~1e4 (the collapse regime).
 
-    python benchmarks/bench_entropy.py [--sizes 512 1024 2048 4096] [--repeats 3]
+    python benchmarks/bench_entropy.py [--sizes 128 512 1024 2048] [--repeats 9] [--families causal padding]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import multiprocessing
 import statistics
@@ -20,111 +27,185 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from common import cpu_model, put_peak_growth, run_children
+from torch import Tensor
 
-from attn_monitor import Support, entropy_from_qk
+from attn_monitor import entropy_from_qk
 
 BATCH, HEADS, HEAD_DIM = 4, 8, 64
+#: The dense path holds this many (B, H, N, N) float32 tensors at its peak.
+DENSE_LIVE_TENSORS = 3
+#: Sliding window width (tokens) and number of packed documents per row.
+WINDOW, DOCUMENTS = 256, 4
+
+#: family -> (attn_mask or None, is_causal) as a model passes them to SDPA, for sequence length n.
+Family = Callable[[int], tuple[Tensor | None, bool]]
 
 
-def make_inputs(n: int, mask_kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, Support]:
+def _lengths(n: int) -> Tensor:
+    """Real tokens per row: from n/2 to n (right padding)."""
+    return torch.linspace(n // 2, n, BATCH).long()
+
+
+def _padding(n: int) -> Tensor:
+    return torch.arange(n)[None, :] < _lengths(n)[:, None]
+
+
+def _causal(n: int) -> Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def _additive(visible: Tensor) -> Tensor:
+    return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+
+
+def _window(n: int) -> Tensor:
+    rows = torch.arange(n)
+    return _causal(n) & (rows[None, :] > rows[:, None] - WINDOW)
+
+
+def _documents(n: int) -> Tensor:
+    ids = torch.arange(n) * DOCUMENTS // n
+    return (ids[:, None] == ids[None, :]) & _causal(n)
+
+
+FAMILIES: dict[str, Family] = {
+    "causal": lambda n: (None, True),
+    "padding": lambda n: (_padding(n)[:, None, None, :], False),
+    "causal+padding": lambda n: (_causal(n) & _padding(n)[:, None, None, :], False),
+    "causal+padding additive": lambda n: (_additive(_causal(n) & _padding(n)[:, None, None, :]), False),
+    "window": lambda n: (_window(n)[None, None], False),
+    "documents": lambda n: (_documents(n)[None, None], False),
+}
+
+
+def make_inputs(
+    n: int, family: str, seed: int = 0, logit_scale: float = 1.0
+) -> tuple[Tensor, Tensor, Tensor | None, bool]:
     generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(BATCH, HEADS, n, HEAD_DIM, generator=generator)
+    q = torch.randn(BATCH, HEADS, n, HEAD_DIM, generator=generator) * logit_scale
     k = torch.randn(BATCH, HEADS, n, HEAD_DIM, generator=generator)
-    if mask_kind == "causal":
-        return q, k, Support(n, causal=True)
-    lengths = torch.linspace(n // 2, n, BATCH).long()
-    padding = torch.arange(n)[None, :] < lengths[:, None]
-    return q, k, Support(n, padding_mask=padding)
+    return q, k, *FAMILIES[family](n)
 
 
-def plain_sdpa(q: torch.Tensor, k: torch.Tensor, support: Support) -> torch.Tensor:
-    attn_mask, is_causal = support.additive_mask(q.dtype)
-    return F.scaled_dot_product_attention(q, k, k, attn_mask=attn_mask, is_causal=is_causal)
+def plain_sdpa(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, k, attn_mask=mask, is_causal=is_causal)
 
 
-def dense_entropy(q: torch.Tensor, k: torch.Tensor, support: Support) -> torch.Tensor:
+def _visible(mask: Tensor | None, is_causal: bool, n: int) -> Tensor:
+    visible = torch.ones(1, 1, n, n, dtype=torch.bool) if mask is None else mask
+    if visible.dtype != torch.bool:
+        visible = visible > torch.finfo(visible.dtype).min / 2
+    return visible & _causal(n) if is_causal else visible
+
+
+def dense_entropy(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
     """What a user of ``output_attentions`` does: materialise probabilities, sum p ln p."""
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~support.dense(), -math.inf)
+    scores = scores.masked_fill(~_visible(mask, is_causal, q.shape[2]), -math.inf)
     probs = scores.softmax(-1)
     return -torch.special.xlogy(probs, probs).sum(-1)
 
 
-PATHS: dict[str, Callable[[torch.Tensor, torch.Tensor, Support], torch.Tensor]] = {
+PATHS: dict[str, Callable[[Tensor, Tensor, Tensor | None, bool], Tensor]] = {
     "sdpa": plain_sdpa,
-    "fused": lambda q, k, s: entropy_from_qk(q, k, mask=s, method="fused"),
-    "chunked": lambda q, k, s: entropy_from_qk(q, k, mask=s, method="chunked"),
+    "fused": lambda q, k, m, c: entropy_from_qk(q, k, mask=m, is_causal=c, method="fused"),
+    "chunked": lambda q, k, m, c: entropy_from_qk(q, k, mask=m, is_causal=c, method="chunked"),
     "dense": dense_entropy,
 }
 
 
-def _peak_child(path: str, n: int, mask_kind: str, queue: multiprocessing.Queue) -> None:
-    q, k, support = make_inputs(n, mask_kind)
-    put_peak_growth(queue, lambda: PATHS[path](q, k, support))
+def dense_bytes(n: int) -> int:
+    """Estimated peak bytes of the dense path at sequence length ``n``."""
+    return DENSE_LIVE_TENSORS * BATCH * HEADS * n * n * 4
 
 
-def peak_memory(path: str, n: int, mask_kind: str) -> int:
+def _peak_child(path: str, n: int, family: str, queue: multiprocessing.Queue) -> None:
+    q, k, mask, is_causal = make_inputs(n, family)
+    put_peak_growth(queue, lambda: PATHS[path](q, k, mask, is_causal))
+
+
+def peak_memory(path: str, n: int, family: str) -> int:
     """Resident-set growth (bytes) of one call in a fresh child process."""
-    (value,) = run_children(_peak_child, [(path, n, mask_kind)], 1, preload=["torch", "attn_monitor"])
+    (value,) = run_children(_peak_child, [(path, n, family)], 1, preload=["torch", "attn_monitor"])
     return int(value)
 
 
-def time_paths(n: int, mask_kind: str, repeats: int) -> dict[str, float]:
-    q, k, support = make_inputs(n, mask_kind)
-    samples: dict[str, list[float]] = {name: [] for name in PATHS}
-    for fn in PATHS.values():  # warm-up
-        fn(q, k, support)
+def time_paths(n: int, family: str, repeats: int, paths: list[str]) -> tuple[float, dict[str, list[float]]]:
+    """(median SDPA seconds, paired ratios path / SDPA per repeat) with the paths interleaved."""
+    q, k, mask, is_causal = make_inputs(n, family)
+    for name in ["sdpa", *paths]:  # warm-up
+        PATHS[name](q, k, mask, is_causal)
+    base: list[float] = []
+    ratios: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
-        for name, fn in PATHS.items():
+        start = time.perf_counter()
+        plain_sdpa(q, k, mask, is_causal)
+        base.append(time.perf_counter() - start)
+        for name in paths:
             start = time.perf_counter()
-            fn(q, k, support)
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+            PATHS[name](q, k, mask, is_causal)
+            ratios[name].append((time.perf_counter() - start) / base[-1])
+    return statistics.median(base), ratios
 
 
-def accuracy(n: int, mask_kind: str) -> float:
-    """Largest |fused - float64 dense| entropy, in nats."""
-    q, k, support = make_inputs(n, mask_kind)
-    reference = dense_entropy(q.double(), k.double(), support)
-    fused = entropy_from_qk(q, k, mask=support, method="fused").double()
+@functools.cache
+def accuracy(n: int, family: str, logit_scale: float = 1.0) -> float:
+    """Largest |fused - float64 dense| entropy over queries with a visible key, in nats."""
+    q, k, mask, is_causal = make_inputs(n, family, logit_scale=logit_scale)
+    reference = dense_entropy(q.double(), k.double(), mask, is_causal)
+    fused = entropy_from_qk(q, k, mask=mask, is_causal=is_causal, method="fused").double()
     valid = ~torch.isnan(fused)
     return float((fused[valid] - reference[valid]).abs().max())
+
+
+def _cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
 def machine() -> str:
     return f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
-def report(sizes: list[int], repeats: int) -> str:
+def report(sizes: list[int], repeats: int, families: list[str], dense_limit: float, memory: bool = True) -> str:
     lines = [
-        f"Entropy kernel, B={BATCH}, H={HEADS}, D={HEAD_DIM}, float32 ({machine()}).",
-        "Time ratios are to a plain SDPA forward on the same inputs (median of interleaved repeats);",
-        "memory is peak resident growth of one call.",
+        f"Entropy kernel, B={BATCH}, H={HEADS}, D={HEAD_DIM}, float32 ({machine()}); window {WINDOW} tokens, "
+        f"{DOCUMENTS} documents per row.",
+        f"Ratios to the model's own SDPA call with the same mask: median [min-max] of {repeats} interleaved pairs.",
+        "fused MiB: peak resident growth of one call in a fresh child. err: max |fused - float64| in nats, at",
+        "ordinary logits and with q scaled so logits reach ~1e4 (N <= 1024). dense: materialised probabilities "
+        "(— where it would need more memory than the limit).",
         "",
-        "| mask | N | SDPA ms | fused x | chunked x | dense x | dense / fused | fused MiB | chunked MiB "
-        "| dense MiB | max err (nats) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mask | N | SDPA ms | fused x | chunked x | dense x | fused MiB | err | err, logits ~1e4 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for mask_kind in ("causal", "padded"):
+    for family in families:
         for n in sizes:
-            times = time_paths(n, mask_kind, repeats)
-            memory = {name: peak_memory(name, n, mask_kind) / 2**20 for name in ("fused", "chunked", "dense")}
-            base = times["sdpa"]
-            lines.append(
-                f"| {mask_kind} | {n} | {base * 1e3:.1f} | {times['fused'] / base:.2f} | "
-                f"{times['chunked'] / base:.2f} | {times['dense'] / base:.1f} | "
-                f"{times['dense'] / times['fused']:.1f} | {memory['fused']:.0f} | {memory['chunked']:.0f} | "
-                f"{memory['dense']:.0f} | {accuracy(min(n, 1024), mask_kind):.1e} |"
+            paths = ["fused", "chunked"] + (["dense"] if dense_bytes(n) <= dense_limit else [])
+            base, ratios = time_paths(n, family, repeats, paths)
+            fused_mib = f"{peak_memory('fused', n, family) / 2**20:.0f}" if memory else "—"
+            dense = _cell(ratios["dense"]) if "dense" in ratios else "—"
+            small = min(n, 1024)
+            row = (
+                f"| {family} | {n} | {base * 1e3:.1f} | {_cell(ratios['fused'])} | {_cell(ratios['chunked'])} | "
+                f"{dense} | {fused_mib} | {accuracy(small, family):.1e} | {accuracy(small, family, 3000.0):.1e} |"
             )
+            print(row, flush=True)
+            lines.append(row)
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--dense-limit-gib", type=float, default=2.0, help="skip the dense path above this estimate")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
-    table = report(args.sizes, args.repeats)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    table = report(args.sizes, args.repeats, args.families, args.dense_limit_gib * 2**30, not args.no_memory)
     print(table)
     return table
 

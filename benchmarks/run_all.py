@@ -2,12 +2,10 @@
 
 Sections, in order (each one's failure is reported and the rest still run):
 
-* ``bench_entropy``: the entropy kernel at N = 512 .. 8192. The dense path
-  materialises (B, H, N, N) float32 tensors, several at once; where that
-  would need more than ``--dense-limit-gib`` (default 12 GiB; at N = 8192 one
-  such tensor is 8 GiB) it is left out and its cells read "—": those sizes
-  are measured here from ``bench_entropy``'s own pieces with the dense path
-  removed from its ``PATHS``.
+* ``bench_entropy``: the entropy kernel per mask family at N = 128 .. 4096,
+  paired ratios to the model's own SDPA call. The dense path materialises
+  (B, H, N, N) float32 tensors, several at once; where that would need more
+  than ``--dense-limit-gib`` (default 2 GiB: N <= 2048) it is left out ("—").
 * ``bench_capture`` (when ``benchmarks/bench_capture.py`` exists): capture
   cost in real models.
 * ``bench_monitor``: the Lightning callback's cost and the metric's DDP sync.
@@ -38,67 +36,16 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-FULL_ENTROPY_SIZES = [512, 1024, 2048, 4096, 8192]
-QUICK_ENTROPY_SIZES = [256, 512]
-#: (B, H, N, N) float32 tensors the dense path holds at its peak (scores, masked scores, probabilities, p ln p).
-DENSE_LIVE_TENSORS = 3
+FULL_ENTROPY_SIZES = [128, 512, 1024, 2048, 4096]
+QUICK_ENTROPY_SIZES = [128, 256]
 
 
 # ------------------------------------------------------------------ entropy
-def dense_bytes(n: int) -> int:
-    """Estimated peak bytes of ``bench_entropy``'s dense path at sequence length ``n``."""
+def run_entropy(sizes: list[int], repeats: int, dense_limit_gib: float) -> str:
     import bench_entropy
 
-    return DENSE_LIVE_TENSORS * bench_entropy.BATCH * bench_entropy.HEADS * n * n * 4
-
-
-def _entropy_row_without_dense(n: int, mask_kind: str, repeats: int) -> str:
-    """One row of ``bench_entropy.report``'s table with the dense path left out ("—")."""
-    import bench_entropy
-
-    paths = bench_entropy.PATHS
-    bench_entropy.PATHS = {name: fn for name, fn in paths.items() if name != "dense"}
-    try:
-        times = bench_entropy.time_paths(n, mask_kind, repeats)
-    finally:
-        bench_entropy.PATHS = paths
-    memory = {name: bench_entropy.peak_memory(name, n, mask_kind) / 2**20 for name in ("fused", "chunked")}
-    base = times["sdpa"]
-    error = bench_entropy.accuracy(min(n, 1024), mask_kind)
-    return (
-        f"| {mask_kind} | {n} | {base * 1e3:.1f} | {times['fused'] / base:.2f} | {times['chunked'] / base:.2f} | — | — "
-        f"| {memory['fused']:.0f} | {memory['chunked']:.0f} | — | {error:.1e} |"
-    )
-
-
-def run_entropy(sizes: list[int], repeats: int, dense_limit: float) -> str:
-    import bench_entropy
-
-    with_dense = [n for n in sizes if dense_bytes(n) <= dense_limit]
-    without_dense = [n for n in sizes if dense_bytes(n) > dense_limit]
-    if with_dense:
-        table = bench_entropy.main(["--sizes", *map(str, with_dense), "--repeats", str(repeats)])
-    else:
-        table = bench_entropy.report([], repeats)
-    if not without_dense:
-        return table
-    lines = table.splitlines()
-    for mask_kind in ("causal", "padded"):
-        rows = []
-        for n in without_dense:
-            rows.append(_entropy_row_without_dense(n, mask_kind, repeats))
-            print(rows[-1], flush=True)
-        prefix = f"| {mask_kind} |"
-        last = max((i for i, line in enumerate(lines) if line.startswith(prefix)), default=len(lines) - 1)
-        lines[last + 1 : last + 1] = rows
-    skipped = ", ".join(f"N={n} (about {dense_bytes(n) / 2**30:.3g} GiB)" for n in without_dense)
-    lines += [
-        "",
-        f"Dense path skipped (—) at {skipped}: over the {dense_limit / 2**30:.3g} GiB limit "
-        f"({DENSE_LIVE_TENSORS} live (B, H, N, N) float32 tensors); those rows come from bench_entropy's "
-        "time_paths / peak_memory / accuracy with the dense path removed.",
-    ]
-    return "\n".join(lines)
+    argv = ["--sizes", *map(str, sizes), "--repeats", str(repeats), "--dense-limit-gib", str(dense_limit_gib)]
+    return str(bench_entropy.main(argv))
 
 
 # ------------------------------------------------------------------ report
@@ -155,7 +102,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     parser.add_argument("--monitor-threads", type=int, default=1, help="torch threads for bench_monitor (default 1)")
     parser.add_argument(
-        "--dense-limit-gib", type=float, default=12.0, help="skip the dense entropy path above this estimate"
+        "--dense-limit-gib", type=float, default=2.0, help="skip the dense entropy path above this estimate"
     )
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) if args.quick else HERE)
@@ -169,7 +116,7 @@ def main(argv: list[str] | None = None) -> str:
     if args.quick:
         monitor_argv += ["--val-batches", "4", "--train-steps", "10", "--sync-layers", "4", "32", "--sync-repeats", "2"]
     entropy_sizes = QUICK_ENTROPY_SIZES if args.quick else FULL_ENTROPY_SIZES
-    entropy_repeats = 1 if args.quick else 3
+    entropy_repeats = 1 if args.quick else 9
 
     def capture() -> str:
         return str(importlib.import_module("bench_capture").main(capture_argv))
@@ -182,7 +129,7 @@ def main(argv: list[str] | None = None) -> str:
             "Entropy kernel",
             f"benchmarks/bench_entropy.py --sizes {' '.join(map(str, entropy_sizes))} --repeats {entropy_repeats}"
             f" (dense path skipped above an estimated {args.dense_limit_gib:g} GiB)",
-            lambda: run_entropy(entropy_sizes, entropy_repeats, args.dense_limit_gib * 2**30),
+            lambda: run_entropy(entropy_sizes, entropy_repeats, args.dense_limit_gib),
         ),
     ]
     if (HERE / "bench_capture.py").exists():
