@@ -574,9 +574,15 @@ def _prepare_qk(
         raise ValueError(f"Expected `method` in ('auto', 'fused', 'chunked'), got {method!r}.")
     if not isinstance(memory_budget, int) or memory_budget <= 0:
         raise ValueError(f"Expected `memory_budget` to be a positive int (bytes), got {memory_budget!r}.")
+    # Checked on the mask as given: a recognised mask (all visible, causal, ...) no longer shows its batch or heads.
+    if isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[1] not in (1, q.shape[1]):
+        raise ValueError(
+            f"Expected `mask` with 1 or {q.shape[1]} heads (the heads of `q`), got shape {tuple(mask.shape)}."
+        )
     support = _as_support(mask, is_causal, q.shape[2], k.shape[2])
-    if support.batch_size not in (1, q.shape[0]):
-        raise ValueError(f"Expected the mask's batch size to be 1 or {q.shape[0]}, got {support.batch_size}.")
+    batch_size = mask.shape[0] if isinstance(mask, Tensor) and mask.dim() == 4 else support.batch_size
+    if batch_size not in (1, q.shape[0]) or support.batch_size not in (1, q.shape[0]):
+        raise ValueError(f"Expected the mask's batch size to be 1 or {q.shape[0]}, got {batch_size}.")
     if support.mask is not None and support.mask.shape[1] not in (1, q.shape[1]):
         raise ValueError(
             f"Expected `mask` with 1 or {q.shape[1]} heads (the heads of `q`), got shape {tuple(support.mask.shape)}."
