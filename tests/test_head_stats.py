@@ -21,8 +21,9 @@ from torch import Tensor
 
 from attn_monitor.alerts import MaxLogitAlert, OverloadAlert
 from attn_monitor.callback import AttentionEntropyMonitor
-from attn_monitor.capture import AttentionCapture, evaluate_attention
+from attn_monitor.capture import AttentionCall, AttentionCapture, evaluate_attention
 from attn_monitor.head_stats import AttentionStatistics, StatisticsUpdate, distance_from_probs
+from attn_monitor.masks import Support
 from attn_monitor.metric import AttentionEntropy
 from tests import lightning_models as lm
 from tests import models, reference
@@ -246,18 +247,26 @@ def tiny_gpt_reference(state: dict[str, Tensor], batches: list[dict[str, Tensor]
 
 
 def test_sdpa_model_through_evaluate_attention_matches_reference() -> None:
-    """nanoGPT-style SDPA with a causal AND key-padding bool mask, right padding, from evaluate_attention."""
+    """nanoGPT-style SDPA with a causal AND key-padding bool mask, right and left padding, from evaluate_attention."""
     torch.manual_seed(0)
     model = lm.TinyGPT()
     with torch.no_grad():
         for block in model.blocks:
             models.sharpen(block.attn.c_attn.weight, lm.HIDDEN, 3.0)
-    batches = lm.make_batches(2, seed=5)
-    update = StatisticsUpdate()
-    evaluate_attention(model, batches, consumers=[update])
-    expected = tiny_gpt_reference(model.state_dict(), batches)
-    assert_spread(expected)
-    check_summary(update.metric.compute(), expected)
+    right, left = lm.make_batches(2, seed=5)
+    # Left padding too: the hidden keys then precede the real queries, in reach of any mask that ignores padding.
+    lengths = left["attention_mask"].sum(-1)
+    left = {
+        name: torch.stack([row.roll(row.shape[-1] - int(n)) for row, n in zip(value, lengths, strict=True)])
+        for name, value in left.items()
+    }
+    # Each layout alone and both together: a maximum pooled over many queries hides one wrong query.
+    for batches in ([right], [left], [right, left]):
+        update = StatisticsUpdate()
+        evaluate_attention(model, batches, consumers=[update])
+        expected = tiny_gpt_reference(model.state_dict(), batches)
+        assert_spread(expected)
+        check_summary(update.metric.compute(), expected)
 
 
 def _llama_batch() -> dict[str, Tensor]:
@@ -314,6 +323,20 @@ def test_hf_llama_matches_reference(implementation: str) -> None:
         )
     else:
         assert messages == []
+
+
+def test_rows_without_mass_are_left_out_not_counted_as_nonfinite() -> None:
+    """Eager weights after dropout can lose a row's whole support: left out as for entropy, not a divergence."""
+    probs = torch.full((1, 2, 4, 4), 0.25)
+    probs[0, 1, 2] = torch.tensor([0.0, 0.0, 0.0, 1.0])  # all of it on a key causal order hides
+    call = AttentionCall("eager.attn", Support(4, 4, causal=True), probs=probs)
+    update = StatisticsUpdate(max_logit=False)
+    update(call, torch.ones(1, 1, 4, dtype=torch.bool))
+    summary = update.metric.compute()
+    assert summary.distance_count.tolist() == [[4.0, 3.0]]
+    assert summary.distance_nonfinite.sum() == 0
+    want = [ref_distance_from_probs(probs.double(), torch.ones(4, 4, dtype=torch.bool).tril())[0, h] for h in (0, 1)]
+    assert summary.distance[0].tolist() == pytest.approx([float(w.nanmean()) for w in want])
 
 
 def test_cross_attention_gets_no_distance() -> None:
@@ -464,3 +487,4 @@ def test_training_steps_get_no_statistics(tmp_path: Path) -> None:
     }
     assert not any(name.startswith("attn_max_logit") for name in logged)
     assert len(memory.steps_of(f"attn_distance/{lm.GPT_LAYERS[0]}/mean")) == 1
+    assert monitor.recorder.streams["train"].statistics is None  # not computed either
