@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         mass_fraction,
         normalize_entropy,
     )
+    from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate, distance_from_probs
     from attn_monitor.masks import Support
     from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
 
@@ -36,16 +37,20 @@ __all__ = [
     "AttentionEntropy",
     "AttentionEntropyMonitor",
     "AttentionMass",
+    "AttentionStatistics",
     "Comparison",
     "EntropySummary",
     "MassDiagnostics",
     "MassSummary",
+    "StatisticsSummary",
+    "StatisticsUpdate",
     "Support",
     "attention_distance",
     "attention_entropy",
     "attention_lse",
     "attention_max_logit",
     "compare",
+    "distance_from_probs",
     "entropy_from_logits",
     "entropy_from_qk",
     "evaluate_attention",
@@ -76,6 +81,9 @@ _HOMES = {
             "normalize_entropy",
         ),
         "functional",
+    ),
+    **dict.fromkeys(
+        ("AttentionStatistics", "StatisticsSummary", "StatisticsUpdate", "distance_from_probs"), "head_stats"
     ),
     "Support": "masks",
     **dict.fromkeys(("AttentionEntropy", "AttentionMass", "EntropySummary", "MassSummary"), "metric"),

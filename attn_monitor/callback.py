@@ -34,9 +34,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from attn_monitor.alerts import CollapseAlert, LeakageAlert
+from attn_monitor.alerts import CollapseAlert, LeakageAlert, MaxLogitAlert, OverloadAlert
 from attn_monitor.capture import Adapter, AttentionCapture, nothing_captured_message
 from attn_monitor.comparison import SummaryArchive
+from attn_monitor.head_stats import StatisticsSummary
 from attn_monitor.loggers import LogOptions
 from attn_monitor.metric import EntropySummary
 from attn_monitor.recording import BatchMask, Recorder
@@ -88,12 +89,30 @@ class AttentionEntropyMonitor(Callback):
             isolated by the model's mask. Needs ``document_ids``.
         document_ids: ``document_ids(batch) -> (batch, seq)`` document of
             each token; by default a dict batch's ``document_ids``.
+        max_logit: log each layer's largest attention logit over heads and
+            sampled queries as ``attn_max_logit/{layer}/max`` and, with
+            ``per_head``, ``attn_max_logit_heads/{layer}/head_{h}/max``
+            (validation runs; not for layers that return probabilities, which
+            are named in one warning).
+        distance: log the mean attention distance ``E|i - j|`` in positions
+            as ``attn_distance/{layer}/mean`` (heads pooled) and, with
+            ``per_head``, ``attn_distance_heads/{layer}/head_{h}/mean``
+            (validation runs, self-attention layers).
+        max_logit_threshold: warn once per head whose max logit exceeds this
+            (QK-clip style, e.g. 100) and log
+            ``attn_max_logit/{layer}/over_threshold_heads``; needs
+            ``max_logit=True``. Warns only.
+        overload_threshold: warn once per head whose median normalised
+            entropy is above this (near-uniform attention; 0.97 is a
+            reasonable start) and log ``{prefix}/{layer}/overloaded_heads``.
+            Warns only.
         collapse_threshold: flag heads whose median normalised entropy falls
             below this value.
         collapse_drop: flag heads whose median fell by more than this
             fraction of its value at the first monitored epoch.
-        stop_on_collapse: ask the trainer to stop when a head is flagged
-            (default: warn and log only).
+        stop_on_collapse: ask the trainer to stop when a head is flagged as
+            collapsed (default: warn and log only); overloaded heads and max
+            logits over their threshold never stop training.
         save_summaries: save each epoch's summary (see
             :func:`~attn_monitor.comparison.save_summary`) under
             ``{trainer.log_dir}/attn_entropy/epoch{n}.pt``.
@@ -137,12 +156,24 @@ class AttentionEntropyMonitor(Callback):
         eviction: Sequence[tuple[int, int]] = (),
         leakage: bool = False,
         document_ids: BatchMask | None = None,
+        max_logit: bool = False,
+        distance: bool = False,
+        max_logit_threshold: float | None = None,
+        overload_threshold: float | None = None,
         collapse_threshold: float | None = None,
         collapse_drop: float | None = None,
         stop_on_collapse: bool = False,
         save_summaries: bool = False,
     ) -> None:
         super().__init__()
+        for name, value in (("max_logit", max_logit), ("distance", distance)):
+            if not isinstance(value, bool):
+                raise TypeError(f"Expected `{name}` to be a bool, got {type(value).__name__} {value!r}.")
+        if max_logit_threshold is not None and not max_logit:
+            raise ValueError(
+                f"`max_logit_threshold={max_logit_threshold!r}` needs `max_logit=True`: the max logit is only "
+                "measured when it is logged."
+            )
         self.schedule = BatchSchedule(
             batches=batches,
             random_sample=random_sample,
@@ -165,15 +196,21 @@ class AttentionEntropyMonitor(Callback):
             sink_tokens=sink_tokens,
             eviction=eviction,
             leakage=leakage,
+            max_logit=max_logit,
+            distance=distance,
         )
         self.collapse = CollapseAlert(
             threshold=collapse_threshold, drop=collapse_drop, prefix=prefix, warn=rank_zero_warn
         )
+        self.overload = OverloadAlert(threshold=overload_threshold, prefix=prefix, warn=rank_zero_warn)
+        self.max_logit_alert = MaxLogitAlert(threshold=max_logit_threshold, warn=rank_zero_warn)
         self.leakage = LeakageAlert(warn=rank_zero_warn)
         self.stop_on_collapse = bool(stop_on_collapse)
         self.save_summaries = bool(save_summaries)
         #: Summary of each validation dataloader at the last monitored validation run.
         self.last_summaries: dict[int, EntropySummary] = {}
+        #: Max logit and distance of each validation dataloader at the last monitored run (when on).
+        self.last_statistics: dict[int, StatisticsSummary] = {}
         self._warn_once = WarnOnce(rank_zero_warn)
         self._recording = ExitStack()
         self._monitoring = False
@@ -262,11 +299,17 @@ class AttentionEntropyMonitor(Callback):
         count = max(len(loaders), 1)
         for index in range(count):  # the same on every rank: each compute is a collective
             summary, masses = self.recorder.collect(index)
+            statistics = self.recorder.collect_statistics(index)
             if summary is None:
                 continue
             self.last_summaries[index] = summary
             extra = masses.to_dict("attn") if masses is not None else {}
             extra.update(self.collapse(summary, key=index))
+            extra.update(self.overload(summary, key=index))
+            if statistics is not None:
+                self.last_statistics[index] = statistics
+                extra.update(statistics.to_dict("attn", per_head=self.options.per_head))
+                extra.update(self.max_logit_alert(statistics, key=index))
             if self.collapse.flagged and self.stop_on_collapse:
                 trainer.should_stop = True
             if masses is not None:

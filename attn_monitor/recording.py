@@ -28,8 +28,9 @@ from attn_monitor.capture import (
     default_padding_mask,
 )
 from attn_monitor.diagnostics import MassDiagnostics
+from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate
 from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
-from attn_monitor.shared import matches
+from attn_monitor.shared import WarnOnce, matches
 
 __all__ = ["BatchMask", "Recorder", "Stream"]
 
@@ -39,10 +40,11 @@ BatchMask = Callable[[Any], "Tensor | None"]
 
 @dataclass
 class Stream:
-    """The metrics one purpose fills: entropy, and mass diagnostics where asked for."""
+    """The metrics one purpose fills: entropy, and mass diagnostics and head statistics where asked for."""
 
     entropy: AttentionEntropy
     diagnostics: MassDiagnostics | None = None
+    statistics: StatisticsUpdate | None = None
     update: EntropyUpdate = field(init=False)
 
     def __post_init__(self) -> None:
@@ -50,7 +52,8 @@ class Stream:
 
     @property
     def consumers(self) -> list[Consumer]:
-        return [self.update] if self.diagnostics is None else [self.update, self.diagnostics]
+        extra = [consumer for consumer in (self.diagnostics, self.statistics) if consumer is not None]
+        return [self.update, *extra]
 
 
 class Recorder:
@@ -68,6 +71,8 @@ class Recorder:
         include_single_key: count one-key queries (see :class:`AttentionEntropy`).
         sink_tokens, eviction, leakage: mass diagnostics of the streams that
             ask for them (see :class:`MassDiagnostics`).
+        max_logit, distance: per-head max logit and mean attention distance
+            of the streams that ask for diagnostics (see :class:`StatisticsUpdate`).
 
     Raises:
         TypeError, ValueError: a bad argument, named.
@@ -98,6 +103,8 @@ class Recorder:
         sink_tokens: int | None = None,
         eviction: Sequence[tuple[int, int]] = (),
         leakage: bool = False,
+        max_logit: bool = False,
+        distance: bool = False,
     ) -> None:
         for name, value in (("padding_mask", padding_mask), ("document_ids", document_ids), ("module", module)):
             if value is not None and not callable(value):
@@ -114,6 +121,10 @@ class Recorder:
         # Checks the arguments now, not at the first stream; each stream gets a copy.
         self._diagnostics = MassDiagnostics(sink_tokens=sink_tokens, eviction=eviction, leakage=leakage)
         self.diagnostics = self._diagnostics.enabled
+        self.max_logit = bool(max_logit)
+        self.distance = bool(distance)
+        # One set of layer warnings for every stream: a layer is named once, not once per dataloader.
+        self._statistics_warnings = WarnOnce()
         self.capture: AttentionCapture | None = None
         self.streams: dict[Hashable, Stream] = {}
         self._device = torch.device("cpu")
@@ -161,7 +172,15 @@ class Recorder:
                     leakage=template.leakage,
                     metric=AttentionMass().to(self._device),
                 )
-            self.streams[key] = Stream(entropy.to(self._device), masses)
+            statistics = None
+            if diagnostics and (self.max_logit or self.distance):
+                statistics = StatisticsUpdate(
+                    AttentionStatistics().to(self._device),
+                    max_logit=self.max_logit,
+                    distance=self.distance,
+                    warn_once=self._statistics_warnings,
+                )
+            self.streams[key] = Stream(entropy.to(self._device), masses, statistics)
         return self.streams[key]
 
     @contextmanager
@@ -197,8 +216,17 @@ class Recorder:
         masses = None if stream.diagnostics is None else _compute(stream.diagnostics.metric)
         return summary, masses
 
+    def collect_statistics(self, key: Hashable) -> StatisticsSummary | None:
+        """Compute and reset the head statistics of the stream ``key`` (a collective under DDP).
 
-def _compute(metric: AttentionEntropy | AttentionMass) -> Any:
+        Returns:
+            None when max logit and distance are off or nothing was recorded.
+        """
+        statistics = self.stream(key).statistics
+        return None if statistics is None else _compute(statistics.metric)
+
+
+def _compute(metric: AttentionEntropy | AttentionMass | AttentionStatistics) -> Any:
     """``metric.compute()`` on every rank, then reset; None when no rank holds a layer."""
     with warnings.catch_warnings():
         # A rank (or a run) that recorded nothing still takes part in the sync; that is expected here.

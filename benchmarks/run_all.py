@@ -8,6 +8,8 @@ Sections, in order (each one's failure is reported and the rest still run):
   than ``--dense-limit-gib`` (default 2 GiB: N <= 2048) it is left out ("—").
 * ``bench_capture`` (when ``benchmarks/bench_capture.py`` exists): capture
   cost in real models.
+* ``bench_stats``: per-head max logit and attention distance, as multiples
+  of one SDPA forward.
 * ``bench_monitor``: the Lightning callback's cost and the metric's DDP sync.
 
     .venv/bin/python benchmarks/run_all.py            # full run, writes benchmarks/REPORT.md
@@ -121,6 +123,12 @@ def main(argv: list[str] | None = None) -> str:
     def capture() -> str:
         return str(importlib.import_module("bench_capture").main(capture_argv))
 
+    stats_sizes = ["256", "512"] if args.quick else ["512", "1024", "2048"]
+    stats_argv = ["--threads", str(args.threads), *repeats, "--sizes", *stats_sizes]
+
+    def stats() -> str:
+        return str(importlib.import_module("bench_stats").main(stats_argv))
+
     def monitor() -> str:
         return str(importlib.import_module("bench_monitor").main(monitor_argv))
 
@@ -134,6 +142,7 @@ def main(argv: list[str] | None = None) -> str:
     ]
     if (HERE / "bench_capture.py").exists():
         sections.append(("Capture in real models", f"benchmarks/bench_capture.py {' '.join(capture_argv)}", capture))
+    sections.append(("Max logit and distance", f"benchmarks/bench_stats.py {' '.join(stats_argv)}", stats))
     sections.append(("Monitor in Lightning", f"benchmarks/bench_monitor.py {' '.join(monitor_argv)}", monitor))
 
     header = machine_lines(args.threads, args.monitor_threads)

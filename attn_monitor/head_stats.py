@@ -1,0 +1,344 @@
+"""Per-head maximum attention logit and mean attention distance, from the calls entropy sees.
+
+Two screening numbers per (layer, head), computed from the captured q, k and
+support (never an N x N matrix) by
+:func:`~attn_monitor.functional.attention_max_logit` and
+:func:`~attn_monitor.functional.attention_distance`:
+
+* **max logit**: the largest ``scale * q.k`` (plus any additive bias) a
+  counted query gives a visible key, maximised over every counted query
+  seen. QK-clip style recipes watch it because logit growth comes before
+  entropy collapse and loss spikes. It depends on ``scale`` and on the key
+  norms, so it compares one model with itself over training, not models with
+  each other. Modules that return probabilities (Hugging Face eager
+  attention) do not return logits: no max logit for them.
+* **mean attention distance**: ``E|i - j|`` in positions under each query's
+  attention distribution (the ViT paper's local-versus-global picture),
+  averaged over counted queries. It grows with sequence length and depends
+  on the mask (a causal query ``i`` can reach at most ``i`` back), so
+  compare heads at one length and mask. Self-attention only.
+
+Counted queries are the samples entropy uses: real queries of the call's own
+sequence with at least one visible key. :class:`AttentionStatistics` holds
+the running, DDP-exact state (the max reduces by max, the distance sums by
+sum); :class:`StatisticsUpdate` is the capture consumer that fills it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attn_monitor.capture import AttentionCall, _without_nonfinite
+from attn_monitor.functional import attention_distance, attention_max_logit, broadcasts_to, restrict_to_support
+from attn_monitor.metric import LayerMetric
+from attn_monitor.shared import WarnOnce
+
+__all__ = ["AttentionStatistics", "StatisticsSummary", "StatisticsUpdate", "distance_from_probs"]
+
+_SUM_FIELDS = ("logit_count", "logit_nonfinite", "distance_sum", "distance_count", "distance_nonfinite")
+
+
+def distance_from_probs(attn: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Mean attention distance ``E|i - j|`` of each query from attention probabilities.
+
+    The weights are restricted to the support and renormalised there (as for
+    entropy, :func:`~attn_monitor.functional.restrict_to_support`); query ``i``
+    and key ``i`` are the same token (self-attention).
+
+    Args:
+        attn: (batch, heads, seq, seq) attention probabilities.
+        mask: bool, broadcastable to ``attn``; True = visible. None: every key.
+
+    Returns:
+        (batch, heads, seq) mean distance in positions, float32 (float64 for
+        float64 input); NaN where a query has no visible key or no mass on it.
+
+    Raises:
+        TypeError, ValueError: as :func:`~attn_monitor.functional.restrict_to_support`;
+            a non-square ``attn``.
+
+    Example:
+        >>> uniform = torch.full((1, 1, 3, 3), 1 / 3)
+        >>> distance_from_probs(uniform, torch.ones(3, 3, dtype=torch.bool).tril())  # causal: i / 2
+        tensor([[[0.0000, 0.5000, 1.0000]]])
+    """
+    weights, no_mass = restrict_to_support(attn, mask)
+    num_q, num_k = weights.shape[-2:]
+    if num_q != num_k:
+        raise ValueError(
+            f"Expected square `attn` (self-attention: query i and key i are one token), got {num_q} queries "
+            f"and {num_k} keys."
+        )
+    positions = torch.arange(num_q, device=weights.device, dtype=weights.dtype)
+    offsets = (positions[:, None] - positions[None, :]).abs()
+    distance = (weights * offsets).sum(-1)
+    empty = weights.sum(-1) == 0
+    return distance.masked_fill(empty | no_mass, math.nan)
+
+
+class StatisticsSummary:
+    """What :class:`AttentionStatistics` accumulated, per (layer, head).
+
+    Attributes:
+        layers: layer names in registration order.
+        num_heads: heads of each layer.
+        logit_count, distance_count: (L, H) counted queries of each statistic.
+        logit_nonfinite, distance_nonfinite: (L, H) counted queries left out
+            because their value was NaN or infinite (a diverging model).
+    """
+
+    def __init__(self, layers: Sequence[str], num_heads: Sequence[int], stats: Mapping[str, Tensor]) -> None:
+        self.layers = list(layers)
+        self.num_heads = list(num_heads)
+        self._stats = {name: value.detach().to("cpu", torch.float64, copy=True) for name, value in stats.items()}
+
+    logit_count = property(lambda self: self._stats["logit_count"])
+    logit_nonfinite = property(lambda self: self._stats["logit_nonfinite"])
+    distance_count = property(lambda self: self._stats["distance_count"])
+    distance_nonfinite = property(lambda self: self._stats["distance_nonfinite"])
+
+    @property
+    def max_logit(self) -> Tensor:
+        """(L, H) largest logit over every counted query; NaN where none was counted."""
+        return self._stats["max_logit"].masked_fill(self.logit_count == 0, math.nan)
+
+    @property
+    def layer_max_logit(self) -> Tensor:
+        """(L,) largest logit over the layer's heads; NaN where none was counted."""
+        peak = self._stats["max_logit"].amax(-1)
+        return peak.masked_fill(self.logit_count.sum(-1) == 0, math.nan)
+
+    @property
+    def distance(self) -> Tensor:
+        """(L, H) token-weighted mean attention distance in positions; NaN where none was counted."""
+        count = self.distance_count
+        return torch.where(count > 0, self._stats["distance_sum"] / count.clamp(min=1), math.nan)
+
+    @property
+    def layer_distance(self) -> Tensor:
+        """(L,) token-weighted mean distance, heads pooled."""
+        count = self.distance_count.sum(-1)
+        return torch.where(count > 0, self._stats["distance_sum"].sum(-1) / count.clamp(min=1), math.nan)
+
+    def to_dict(self, prefix: str = "attn", *, per_head: bool = True) -> dict[str, float]:
+        """Flat scalar names for loggers.
+
+        Per layer ``{prefix}_max_logit/{layer}/max`` (over heads and counted
+        queries) and ``{prefix}_distance/{layer}/mean`` (heads pooled); per
+        head ``{prefix}_max_logit_heads/{layer}/head_{h}/max`` and
+        ``{prefix}_distance_heads/{layer}/head_{h}/mean``. Layers and heads with
+        no counted query are left out; ``/nonfinite`` counts queries left out
+        for a NaN or infinite value, where there were any.
+        """
+        out: dict[str, float] = {}
+        families = (
+            ("max_logit", "max", self.logit_count, self.logit_nonfinite, self.layer_max_logit, self.max_logit),
+            ("distance", "mean", self.distance_count, self.distance_nonfinite, self.layer_distance, self.distance),
+        )
+        for family, statistic, count, nonfinite, layer_value, head_value in families:
+            for index, layer in enumerate(self.layers):
+                base = f"{prefix}_{family}/{layer}"
+                if nonfinite[index].sum() > 0:
+                    out[f"{base}/nonfinite"] = float(nonfinite[index].sum())
+                if count[index].sum() == 0:
+                    continue
+                out[f"{base}/{statistic}"] = float(layer_value[index])
+                if per_head:
+                    for head in range(self.num_heads[index]):
+                        if count[index, head] > 0:
+                            name = f"{prefix}_{family}_heads/{layer}/head_{head}/{statistic}"
+                            out[name] = float(head_value[index, head])
+        return out
+
+    def __repr__(self) -> str:
+        return f"StatisticsSummary(layers={self.layers}, heads={self.num_heads})"
+
+
+class AttentionStatistics(LayerMetric):
+    """Running per-head maximum logit and mean attention distance, DDP-exact.
+
+    Per (layer, head): the maximum logit (a max field), the distance sum and
+    the counts (sum fields), so a sync is exact whatever the sharding.
+    Queries that are not samples are ignored; samples whose value is NaN or
+    infinite are left out and tallied (``logit_nonfinite``,
+    ``distance_nonfinite``).
+
+    Args:
+        layers: optional mapping layer name -> number of heads to register now.
+        kwargs: passed to :class:`torchmetrics.Metric`.
+
+    Example:
+        >>> metric = AttentionStatistics()
+        >>> metric.update(
+        ...     "layer.0",
+        ...     max_logit=torch.tensor([[[1.0, 5.0], [2.0, 3.0]]]),
+        ...     distance=torch.tensor([[[0.0, 1.0], [2.0, 2.0]]]),
+        ... )
+        >>> summary = metric.compute()
+        >>> summary.max_logit, summary.distance
+        (tensor([[5., 3.]], dtype=torch.float64), tensor([[0.5000, 2.0000]], dtype=torch.float64))
+    """
+
+    def __init__(self, layers: Mapping[str, int] | None = None, **kwargs: Any) -> None:
+        super().__init__(
+            layers, sum_fields=dict.fromkeys(_SUM_FIELDS, ()), max_fields={"max_logit": ()}, config={}, **kwargs
+        )
+
+    def update(
+        self,
+        layer: str,
+        *,
+        max_logit: Tensor | None = None,
+        distance: Tensor | None = None,
+        is_sample: Tensor | None = None,
+    ) -> None:
+        """Add one call's per-query values (either may be left out).
+
+        Args:
+            layer: layer name; registered on first sight.
+            max_logit: (batch, heads, query) largest logit of each query.
+            distance: (batch, heads, query) mean attention distance, >= 0.
+            is_sample: bool, broadcastable to the values; None: every query.
+
+        Raises:
+            TypeError: wrong types or dtypes.
+            ValueError: wrong shapes, two values of different shapes, a
+                negative distance on a counted query, a head count that
+                differs from the layer's.
+        """
+        given = {name: value for name, value in (("max_logit", max_logit), ("distance", distance)) if value is not None}
+        shape = None
+        for name, value in given.items():
+            if not isinstance(value, Tensor) or not value.dtype.is_floating_point:
+                raise TypeError(f"Expected `{name}` to be a floating point tensor, got {type(value).__name__}.")
+            if value.dim() != 3:
+                raise ValueError(
+                    f"Expected `{name}` with 3 dims (batch, heads, query), got shape {tuple(value.shape)}."
+                )
+            if shape is not None and tuple(value.shape) != shape:
+                raise ValueError(
+                    f"Expected `max_logit` and `distance` of one shape, got {shape} and {tuple(value.shape)}."
+                )
+            shape = tuple(value.shape)
+        if shape is None:
+            return
+        if is_sample is not None and (not isinstance(is_sample, Tensor) or is_sample.dtype != torch.bool):
+            raise TypeError(f"Expected `is_sample` to be a bool tensor or None, got {type(is_sample).__name__}.")
+        if is_sample is not None and not broadcasts_to(tuple(is_sample.shape), shape):
+            raise ValueError(f"Expected `is_sample` broadcastable to {shape}, got {tuple(is_sample.shape)}.")
+        sample = torch.ones(shape, dtype=torch.bool, device=self.device)
+        if is_sample is not None:
+            sample = sample & is_sample.to(self.device)
+        fields: dict[str, Tensor] = {}
+        for name, value in given.items():
+            value = value.detach().to(self.device, torch.float64)
+            finite = torch.isfinite(value)
+            counted = sample & finite
+            if name == "distance" and (value[counted] < -1e-6).any():
+                raise ValueError("Expected `distance` >= 0 on counted queries (positions).")
+            prefix = "logit" if name == "max_logit" else "distance"
+            fields[f"{prefix}_count"] = counted.sum((0, 2))
+            fields[f"{prefix}_nonfinite"] = (sample & ~finite).sum((0, 2))
+            if name == "max_logit":
+                fields["max_logit"] = value.masked_fill(~counted, -math.inf).amax((0, 2))
+            else:
+                fields["distance_sum"] = torch.where(counted, value.clamp(min=0.0), 0.0).sum((0, 2))
+        self.register_layer(layer, shape[1])
+        self.accumulate(layer, **fields)
+
+    def forward(self, layer: str, *args: Any, **kwargs: Any) -> Any:
+        """Update with one call and return the summary of that call alone."""
+        for value in (*args, kwargs.get("max_logit"), kwargs.get("distance")):
+            if isinstance(value, Tensor) and value.dim() == 3:
+                self.register_layer(layer, value.shape[1])
+                break
+        return super(LayerMetric, self).forward(layer, *args, **kwargs)
+
+    def compute(self) -> StatisticsSummary:
+        """Summary of everything accumulated since the last reset (collective under DDP)."""
+        return StatisticsSummary(self.layers, [self.num_heads(layer) for layer in self.layers], self.statistics())
+
+
+class StatisticsUpdate:
+    """The capture consumer that adds each call's max logit and attention distance to one metric.
+
+    Calls with q and k give both (distance for self-attention only). Calls
+    with probabilities (Hugging Face eager attention) give the distance but
+    no max logit, since the module never returns its logits: such a layer is
+    named in one warning and has no max logit. Queries that non-finite q, k
+    or weights reach are left out and counted, as for entropy.
+
+    Args:
+        metric: the :class:`AttentionStatistics` to update; a new one by default.
+        max_logit: measure the maximum logit.
+        distance: measure the mean attention distance.
+        warn_once: where the layer warnings go; share one :class:`~attn_monitor.shared.WarnOnce`
+            between consumers of one model to name each layer once (a new one by default).
+
+    Example:
+        >>> from attn_monitor.capture import AttentionCapture
+        >>> attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        >>> update = StatisticsUpdate()
+        >>> with AttentionCapture(attn) as capture:
+        ...     with capture.recording(consumers=[update]):
+        ...         _ = attn(*(3 * [torch.randn(1, 4, 8)]), need_weights=False)
+        >>> summary = update.metric.compute()
+        >>> summary.layers, summary.distance_count.tolist()
+        (['MultiheadAttention'], [[4.0, 4.0]])
+    """
+
+    def __init__(
+        self,
+        metric: AttentionStatistics | None = None,
+        *,
+        max_logit: bool = True,
+        distance: bool = True,
+        warn_once: WarnOnce | None = None,
+    ) -> None:
+        if metric is not None and not isinstance(metric, AttentionStatistics):
+            raise TypeError(f"Expected `metric` to be an AttentionStatistics or None, got {type(metric).__name__}.")
+        self.metric = metric if metric is not None else AttentionStatistics()
+        self.max_logit = bool(max_logit)
+        self.distance = bool(distance)
+        self._warn_once = warn_once if warn_once is not None else WarnOnce()
+
+    def __call__(self, call: AttentionCall, sample: Tensor) -> None:
+        call, reached = _without_nonfinite(call)
+        layer = call.layer
+        support = call.support
+        self_attention = call.self_attention is not False and support.num_queries == support.num_keys
+        if self.distance and not self_attention:
+            self._warn_once(
+                f"distance:{layer}",
+                f"attn_monitor: {layer!r} is not self-attention (its keys are other tokens than its queries); "
+                "attention distance is not measured for it.",
+            )
+        values: dict[str, Tensor] = {}
+        if call.probs is not None:
+            if self.max_logit:
+                self._warn_once(
+                    f"max-logit:{layer}",
+                    f"attn_monitor: {layer!r} returns attention probabilities, not logits: its max logit cannot be "
+                    "measured and is not logged. Run the model with sdpa attention to measure it.",
+                )
+            if self.distance and self_attention:
+                values["distance"] = distance_from_probs(call.probs, support.dense())
+                # Weights with no mass on a non-empty support (dropout in train mode): left out, as for entropy.
+                sample = sample & ~values["distance"].isnan()
+        elif call.q is not None and call.k is not None:
+            if self.max_logit:
+                values["max_logit"] = attention_max_logit(call.q, call.k, mask=support, scale=call.scale)
+            if self.distance and self_attention:
+                values["distance"] = attention_distance(call.q, call.k, mask=support, scale=call.scale)
+        else:
+            raise ValueError(f"An AttentionCall of {layer!r} holds neither q and k nor probabilities.")
+        if not values:
+            return
+        if reached is not None:
+            values = {name: value.masked_fill(reached, math.nan) for name, value in values.items()}
+        self.metric.update(layer, is_sample=sample, **values)
