@@ -720,6 +720,7 @@ class AttentionCapture:
         try:
             q, k, scale, support, score_mod = hf_interface.read_interface_call(module, query, key, mask, kwargs)
         except ValueError as error:
+            self._read.add(name)  # named here; not again as unread
             self._warn_once(
                 f"unreadable:{name}",
                 f"attn_monitor cannot read {name!r} ({type(module).__name__}, attn_implementation="
@@ -1160,8 +1161,10 @@ def nothing_captured_message(model: nn.Module) -> str:
     hint = f" The model uses attn_implementation={implementation!r};" if implementation else ""
     return (
         f"attn_monitor captured no attention call in {type(model).__name__}. It looks for calls of "
-        "torch.nn.functional.scaled_dot_product_attention, nn.MultiheadAttention, and modules given "
-        f"`adapters` (Hugging Face eager attention is found automatically).{hint} Fused kernels that bypass "
-        "these (flash_attention_2, flex_attention, custom CUDA kernels) cannot be seen: run the monitored "
-        "model with attn_implementation='sdpa' or 'eager', or pass an adapter for your attention module."
+        "torch.nn.functional.scaled_dot_product_attention, flex_attention, nn.MultiheadAttention, every "
+        "function of transformers' attention interface (ALL_ATTENTION_FUNCTIONS: sdpa, flash_attention_*, "
+        "flex_attention, registered kernels), and modules given `adapters` (Hugging Face eager attention is "
+        f"found automatically).{hint} Kernels called around these (a CUDA kernel called directly by the "
+        "attention module) cannot be seen: run the monitored model with attn_implementation='sdpa' or 'eager', "
+        "or pass an adapter for your attention module."
     )
