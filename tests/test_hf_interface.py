@@ -172,10 +172,9 @@ def test_sdpa_implementation_counted_once() -> None:
 def test_interface_restored_after_an_exception() -> None:
     before = interface_entries()
     model = make_model("llama", "test_plain_masked")
-    with AttentionCapture(model) as capture, pytest.raises(KeyError):
-        with capture.recording():
-            assert interface_entries() != before  # wrapped while recording
-            raise KeyError("inside")
+    with AttentionCapture(model) as capture, pytest.raises(KeyError), capture.recording():
+        assert interface_entries() != before  # wrapped while recording
+        raise KeyError("inside")
     assert interface_entries() == before
 
 
