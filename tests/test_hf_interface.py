@@ -15,6 +15,7 @@ import contextlib
 import copy
 import math
 import warnings
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +27,10 @@ from attn_monitor.capture import AttentionCapture
 from tests import reference
 
 transformers = pytest.importorskip("transformers")
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention  # noqa: E402
+from transformers import masking_utils  # noqa: E402
+from transformers.integrations import flex_attention as hf_flex  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask, sdpa_mask  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface  # noqa: E402
 
 TOL = 1e-4
@@ -49,6 +53,9 @@ def plain_attention(module, query, key, value, attention_mask, scaling=None, dro
         visible = cols <= rows
         if kwargs.get("sliding_window"):
             visible = visible & (cols > rows - kwargs["sliding_window"])
+    elif hasattr(attention_mask, "mask_mod"):  # a flex BlockMask: evaluate its mask_mod densely
+        batch = query.shape[0]
+        visible = create_mask(attention_mask.mask_mod, batch, 1, num_q, num_k, device=str(query.device))
     else:
         visible = attention_mask[..., :num_k].bool()
     # Padding queries outside every window see no key: zero weights there, not NaN.
@@ -66,6 +73,27 @@ AttentionInterface.register("test_plain_masked", plain_attention)
 AttentionMaskInterface.register("test_plain_masked", sdpa_mask)
 AttentionInterface.register("test_plain_unmasked", plain_attention)  # no mask builder: gets None
 AttentionInterface.register("test_sdpa_inside", sdpa_inside)
+AttentionInterface.register("test_plain_blockmask", plain_attention)  # gets transformers' flex BlockMask
+AttentionMaskInterface.register("test_plain_blockmask", flex_attention_mask)
+
+
+@pytest.fixture
+def eager_flex(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """transformers' flex_attention path run eagerly: compiling flex and its block masks on CPU takes a minute."""
+
+    def eager(query, key, value, training=False, **kwargs):
+        return flex_attention(query, key, value, **kwargs)
+
+    def uncompiled_block_mask(*args, _compile=False, **kwargs):
+        return create_block_mask(*args, **kwargs)
+
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", eager)
+    monkeypatch.setattr(masking_utils, "create_block_mask", uncompiled_block_mask)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention.*", category=UserWarning)
+        yield
+
+
 AttentionMaskInterface.register("test_sdpa_inside", sdpa_mask)
 
 
@@ -142,9 +170,15 @@ def interface_entries() -> dict[str, object]:
         ("gemma2", "test_plain_unmasked", False),
         ("gemma2", "test_plain_masked", True),
         ("llama", "test_sdpa_inside", True),
+        ("llama", "test_plain_blockmask", True),
+        ("gemma2", "test_plain_blockmask", False),
+        ("llama", "flex_attention", True),
+        ("gemma2", "flex_attention", True),
     ],
 )
-def test_registered_kernel_matches_eager_reference(family: str, implementation: str, padded: bool) -> None:
+def test_registered_kernel_matches_eager_reference(
+    family: str, implementation: str, padded: bool, eager_flex: None
+) -> None:
     before = interface_entries()
     model = make_model(family, implementation)
     batch = make_batch(padded)
