@@ -43,7 +43,12 @@ def is_flex_attention(func: object) -> bool:
 
 
 def _is_identity(score_mod: object) -> bool:
-    """flex's stand-in for "no score_mod"."""
+    """flex's stand-in for "no score_mod": its ``_identity``, or that function traced into a graph."""
+    if isinstance(score_mod, torch.fx.GraphModule):
+        nodes = list(score_mod.graph.nodes)
+        inputs = [node for node in nodes if node.op == "placeholder"]
+        outputs = [node for node in nodes if node.op == "output"]
+        return len(nodes) == len(inputs) + 1 and len(outputs) == 1 and outputs[0].args[0] is inputs[0]
     return getattr(score_mod, "__name__", None) == "_identity" and getattr(score_mod, "__module__", "").startswith(
         "torch.nn.attention"
     )
