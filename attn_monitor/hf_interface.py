@@ -75,7 +75,8 @@ def _interface() -> Any:
 def _wrap(implementation: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapper(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
-        owners = [listener for listener in list(_LISTENERS) if listener.owns(module)]
+        # Traced by torch.compile: pass through (the SDPA and flex paths still see what runs inside).
+        owners = [] if torch.compiler.is_compiling() else [item for item in list(_LISTENERS) if item.owns(module)]
         if not owners:
             return original(module, query, key, value, *args, **kwargs)
         for listener in owners:
@@ -93,10 +94,17 @@ def _wrap(implementation: str, original: Callable) -> Callable:
     return wrapper
 
 
+#: (implementation, original) -> its wrapper: one wrapper per function, so that a compiled model sees the
+#: same two states (wrapped or not) at every recording instead of a new function each time.
+_WRAPPERS: dict[tuple[str, Callable], Callable] = {}
+
+
 def _install(interface: Any) -> None:
     for implementation in list(interface.keys()):
         original = interface[implementation]
-        wrapper = _wrap(implementation, original)
+        wrapper = _WRAPPERS.get((implementation, original))
+        if wrapper is None:
+            wrapper = _WRAPPERS[implementation, original] = _wrap(implementation, original)
         interface[implementation] = wrapper  # the instance's own override, on top of the class-wide mapping
         _INSTALLED[implementation] = (original, wrapper)
 
