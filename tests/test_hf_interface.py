@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
 import warnings
 from collections.abc import Iterator
@@ -30,7 +31,12 @@ transformers = pytest.importorskip("transformers")
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention  # noqa: E402
 from transformers import masking_utils  # noqa: E402
 from transformers.integrations import flex_attention as hf_flex  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask, sdpa_mask  # noqa: E402
+from transformers.masking_utils import (  # noqa: E402
+    AttentionMaskInterface,
+    flash_attention_mask,
+    flex_attention_mask,
+    sdpa_mask,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface  # noqa: E402
 
 TOL = 1e-4
@@ -47,15 +53,21 @@ def plain_attention(module, query, key, value, attention_mask, scaling=None, dro
     if kwargs.get("softcap"):
         scores = kwargs["softcap"] * torch.tanh(scores / kwargs["softcap"])
     num_q, num_k = scores.shape[-2:]
+    rows, cols = torch.arange(num_q)[:, None] + num_k - num_q, torch.arange(num_k)[None, :]
     if attention_mask is None:
-        rows = torch.arange(num_q)[:, None] + num_k - num_q
-        cols = torch.arange(num_k)[None, :]
         visible = cols <= rows
         if kwargs.get("sliding_window"):
             visible = visible & (cols > rows - kwargs["sliding_window"])
+        positions = kwargs.get("position_ids")
+        if positions is not None and query.shape[0] == 1:  # packing: positions restart at each document
+            documents = torch.cat([torch.zeros(1, dtype=torch.long), (positions[0, 1:] != positions[0, :-1] + 1)])
+            documents = documents.long().cumsum(0)
+            visible = visible & (documents[:, None] == documents[None, :])
     elif hasattr(attention_mask, "mask_mod"):  # a flex BlockMask: evaluate its mask_mod densely
         batch = query.shape[0]
         visible = create_mask(attention_mask.mask_mod, batch, 1, num_q, num_k, device=str(query.device))
+    elif attention_mask.dim() == 2:  # flash-style (batch, keys) padding
+        visible = (cols <= rows) & attention_mask[:, None, None, :num_k].bool()
     else:
         visible = attention_mask[..., :num_k].bool()
     # Padding queries outside every window see no key: zero weights there, not NaN.
@@ -75,6 +87,8 @@ AttentionInterface.register("test_plain_unmasked", plain_attention)  # no mask b
 AttentionInterface.register("test_sdpa_inside", sdpa_inside)
 AttentionInterface.register("test_plain_blockmask", plain_attention)  # gets transformers' flex BlockMask
 AttentionMaskInterface.register("test_plain_blockmask", flex_attention_mask)
+AttentionInterface.register("test_plain_paddingmask", plain_attention)  # gets a padding mask, or packed positions
+AttentionMaskInterface.register("test_plain_paddingmask", flash_attention_mask)
 
 
 @pytest.fixture
@@ -126,21 +140,45 @@ def make_model(family: str, implementation: str) -> nn.Module:
     return cls._from_config(copy.deepcopy(config), attn_implementation=implementation).eval()
 
 
-def make_batch(padded: bool) -> dict[str, Tensor]:
+#: Three packed documents in one row (lengths 9, 7, 6), told by position ids only.
+PACKED_POSITIONS = torch.cat([torch.arange(9), torch.arange(7), torch.arange(6)])[None, :]
+
+
+def make_batch(padded: bool | str) -> dict[str, Tensor]:
+    if padded == "packed":
+        ids = torch.randint(3, 64, PACKED_POSITIONS.shape, generator=torch.Generator().manual_seed(5))
+        return {"input_ids": ids, "position_ids": PACKED_POSITIONS}
     ids = torch.randint(3, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
     mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-    if padded:
+    if padded:  # right padding in one row, left in another: real queries see padding keys only there
         mask[1, 7:] = 0
-        mask[2, 4:] = 0
+        mask[2, :4] = 0
     return {"input_ids": ids, "attention_mask": mask}
 
 
 def expected_means(family: str, batch: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
-    """layer -> ((H,) mean, (H,) count) from the eager twin's weights over the documented masks."""
+    """layer -> ((H,) mean, (H,) count) from the eager twin's weights over the documented masks.
+
+    Packed documents (positions restarting at 0) are, by definition, separate
+    sequences: each runs through the eager twin alone and the per-head means
+    are pooled by their query counts.
+    """
+    if "position_ids" in batch:
+        starts = [int(i) for i in (batch["position_ids"][0] == 0).nonzero()] + [batch["input_ids"].shape[1]]
+        parts = [
+            expected_means(family, {"input_ids": batch["input_ids"][:, a:b]}) for a, b in itertools.pairwise(starts)
+        ]
+        pooled = {}
+        for name in parts[0]:
+            counts = sum(part[name][1] for part in parts)
+            sums = sum(part[name][0] * part[name][1] for part in parts)
+            pooled[name] = (sums / counts, counts)
+        return pooled
     with torch.no_grad():
         attentions = make_model(family, "eager")(**batch, output_attentions=True).attentions
-    real = batch["attention_mask"].bool()
-    rows, cols = torch.arange(SEQ)[:, None], torch.arange(SEQ)[None, :]
+    real = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones_like(batch["input_ids"]).bool()
+    length = batch["input_ids"].shape[1]
+    rows, cols = torch.arange(length)[:, None], torch.arange(length)[None, :]
     expected = {}
     for index, probs in enumerate(attentions):
         visible = (cols <= rows) & real[:, None, None, :]
@@ -152,7 +190,7 @@ def expected_means(family: str, batch: dict[str, Tensor]) -> dict[str, tuple[Ten
 
 def record(model: nn.Module, batch: dict[str, Tensor]) -> tuple[AttentionCapture, Tensor, Tensor]:
     with torch.no_grad(), AttentionCapture(model) as capture:
-        with capture.recording(batch["attention_mask"]):
+        with capture.recording(batch.get("attention_mask")):
             monitored = model(**batch).logits
         plain = model(**batch).logits
     return capture, monitored, plain
@@ -174,10 +212,13 @@ def interface_entries() -> dict[str, object]:
         ("gemma2", "test_plain_blockmask", False),
         ("llama", "flex_attention", True),
         ("gemma2", "flex_attention", True),
+        ("llama", "test_plain_paddingmask", True),
+        ("llama", "test_plain_paddingmask", "packed"),
+        ("gemma2", "test_plain_paddingmask", False),
     ],
 )
 def test_registered_kernel_matches_eager_reference(
-    family: str, implementation: str, padded: bool, eager_flex: None
+    family: str, implementation: str, padded: bool | str, eager_flex: None
 ) -> None:
     before = interface_entries()
     model = make_model(family, implementation)
