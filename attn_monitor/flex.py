@@ -121,7 +121,9 @@ def block_mask_support(
     kv_idx = torch.arange(num_keys, device=device)
     key_blocks = (kv_idx // kv_block).clamp(max=num_key_blocks - 1)
     rows = max(1, min(num_queries, memory_budget // max(1, 2 * batch * heads * num_keys)))
-    visible = torch.empty(batch, heads, num_queries, num_keys, dtype=torch.bool, device=device)
+    # Kept with one batch or head entry while every block so far agrees across them: a mask that
+    # depends on neither (the usual case) costs num_queries x num_keys bytes, not batch x heads times that.
+    visible: Tensor | None = None
     for start in range(0, num_queries, rows):
         stop = min(num_queries, start + rows)
         q_idx = torch.arange(start, stop, device=device)
@@ -134,9 +136,16 @@ def block_mask_support(
         chunk = spread(partial) & evaluate(b_idx, h_idx, q_idx, kv_idx, *mask_mod_buffers).bool()
         if full is not None:
             chunk = chunk | spread(full)
-        visible[:, :, start:stop] = chunk
-    if heads > 1 and bool((visible == visible[:, :1]).all()):
-        visible = visible[:, :1]
+        if visible is None:
+            visible = torch.empty(1, 1, num_queries, num_keys, dtype=torch.bool, device=device)
+        shape = list(visible.shape[:2])
+        for dim in (0, 1):
+            if shape[dim] == 1 and chunk.shape[dim] > 1 and not bool((chunk == chunk.narrow(dim, 0, 1)).all()):
+                shape[dim] = chunk.shape[dim]
+        if shape != list(visible.shape[:2]):
+            visible = visible.expand(*shape, -1, -1).clone()
+        visible[:, :, start:stop] = chunk[: shape[0], : shape[1]]
+    assert visible is not None  # num_queries >= 1
     return Support(num_queries, num_keys, mask=visible)
 
 

@@ -237,3 +237,26 @@ def test_sink_mass_sees_the_score_mod() -> None:
         atol=TOL,
         rtol=0,
     )
+
+
+def test_block_mask_support_per_head_and_batch_masks() -> None:
+    """A mask that differs across heads only from row 30 on, and across the batch: counts per head, exactly.
+
+    A small memory budget evaluates it in blocks of rows, so the support
+    first agrees across heads and must widen to per-head later.
+    """
+
+    def late_heads(b, h, q_idx, kv_idx):
+        window = torch.where(q_idx >= 30, 3 + 4 * h, 64)
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window) & (kv_idx >= b)
+
+    block_mask = flex.create_block_mask(late_heads, BATCH, HEADS, SEQ, SEQ, device="cpu", BLOCK_SIZE=BLOCK)
+    support = block_mask_support(block_mask.as_tuple(), BATCH, HEADS, SEQ, SEQ, memory_budget=4 * BATCH * HEADS * SEQ)
+    expected = torch.zeros(BATCH, HEADS, SEQ, SEQ, dtype=torch.bool)
+    for b in range(BATCH):
+        for h in range(HEADS):
+            for i in range(SEQ):
+                for j in range(SEQ):
+                    window = 3 + 4 * h if i >= 30 else 64
+                    expected[b, h, i, j] = j <= i and i - j < window and j >= b
+    assert support.num_valid().expand(BATCH, HEADS, SEQ).tolist() == reference.num_valid(expected).tolist()
