@@ -23,6 +23,17 @@ chosen per call:
    :data:`Adapter` signature is accepted for other modules. Hugging Face
    ``eager`` attention is found automatically (see
    :class:`AttentionCapture`).
+4. **FlexAttention**: the same mode sees ``flex_attention``'s operator and
+   reads q, k, the scale, the block mask (the support, see
+   :func:`~attn_monitor.flex.block_mask_support`) and the ``score_mod``,
+   whose modified logits the entropy is taken of.
+5. **Hugging Face's attention interface**: while recording, every function
+   of ``ALL_ATTENTION_FUNCTIONS`` is wrapped (:mod:`attn_monitor.hf_interface`):
+   flash, flex, paged and registered kernels are read where they are
+   called. A call that path 1 or 4 sees inside the kernel is counted once,
+   by that path. An attention module of a Hugging Face model that ran
+   without any call being read gets one warning naming it and its
+   ``attn_implementation``.
 
 Entropy of q/k calls is computed with the fused logsumexp identity
 (:func:`~attn_monitor.functional.entropy_from_qk`), in float32, right after
