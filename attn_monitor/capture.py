@@ -23,6 +23,17 @@ chosen per call:
    :data:`Adapter` signature is accepted for other modules. Hugging Face
    ``eager`` attention is found automatically (see
    :class:`AttentionCapture`).
+4. **FlexAttention**: the same mode sees ``flex_attention``'s operator and
+   reads q, k, the scale, the block mask (the support, see
+   :func:`~attn_monitor.flex.block_mask_support`) and the ``score_mod``,
+   whose modified logits the entropy is taken of.
+5. **Hugging Face's attention interface**: while recording, every function
+   of ``ALL_ATTENTION_FUNCTIONS`` is wrapped (:mod:`attn_monitor.hf_interface`):
+   flash, flex, paged and registered kernels are read where they are
+   called. A call that path 1 or 4 sees inside the kernel is counted once,
+   by that path. An attention module of a Hugging Face model that ran
+   without any call being read gets one warning naming it and its
+   ``attn_implementation``.
 
 Entropy of q/k calls is computed with the fused logsumexp identity
 (:func:`~attn_monitor.functional.entropy_from_qk`), in float32, right after
@@ -63,6 +74,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from attn_monitor import hf_interface
+from attn_monitor.flex import ScoreMod, is_flex_attention, read_flex_call, score_mod_lse_entropy
 from attn_monitor.functional import Method, attention_entropy, entropy_from_qk
 from attn_monitor.masks import Support
 from attn_monitor.metric import AttentionEntropy, EntropySummary
@@ -83,7 +96,8 @@ _MHA_FORWARD = F.multi_head_attention_forward
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _MHA_ARGS = tuple(inspect.signature(_MHA_FORWARD).parameters)
 #: Placeholder layers of calls made outside any known attention module.
-_UNOWNED_SDPA, _UNOWNED_MHA = "\0sdpa", "\0mha"
+_UNOWNED_SDPA, _UNOWNED_MHA, _UNOWNED_FLEX = "\0sdpa", "\0mha", "\0flex"
+_UNOWNED = (_UNOWNED_SDPA, _UNOWNED_MHA, _UNOWNED_FLEX)
 #: Class names that mark a module as attention for the SDPA path's attribution.
 _ATTENTION_CLASS = re.compile(r"attention|attn", re.IGNORECASE)
 #: Forward arguments through which Hugging Face attention modules take keys from another sequence.
@@ -116,6 +130,10 @@ class AttentionCall:
         self_attention: whether the keys are the query tokens themselves.
             None (adapters may leave it): the capture decides (see the
             module docstring).
+        score_mod: with ``q`` and ``k``, FlexAttention's
+            ``score_mod(score, b, h, q_idx, kv_idx)`` applied to the scaled
+            logits before the softmax (a flex ``score_mod``, Gemma-style
+            soft-capping); None: the logits are ``scale * q k^T``.
     """
 
     layer: str
@@ -127,6 +145,7 @@ class AttentionCall:
     padding_mask: Tensor | None = None
     document_ids: Tensor | None = None
     self_attention: bool | None = None
+    score_mod: ScoreMod | None = None
 
 
 #: ``adapter(module, args, kwargs, output) -> AttentionCall | None``, called by a
@@ -349,6 +368,8 @@ class _CaptureMode(TorchFunctionMode):
             self._capture._on_sdpa(_bind(_SDPA_ARGS, args, kwargs))
         elif func is _MHA_FORWARD:
             self._capture._on_mha(_bind(_MHA_ARGS, args, kwargs))
+        elif is_flex_attention(func):
+            self._capture._on_flex(args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -450,6 +471,17 @@ class AttentionCapture:
         self._unowned = 0
         self._warn_once = WarnOnce()
         self._consumers: list[Consumer] = []
+        #: Calls seen inside each Hugging Face attention-interface call running now, innermost last.
+        self._interface_frames: list[int] = []
+        #: Hugging Face attention leaves -> their attn_implementation, for the unreadable-path warning.
+        self._hf_leaves = {
+            name: implementation
+            for name, module in self._owners.items()
+            if isinstance(implementation := getattr(getattr(module, "config", None), "_attn_implementation", None), str)
+            and _is_attention_leaf(module)
+        }
+        self._ran: set[str] = set()
+        self._read: set[str] = set()
         self.num_calls = 0
         self.num_recordings = 0
 
@@ -592,12 +624,16 @@ class AttentionCapture:
         self._recording = True
         self._stack.clear()
         self._unowned = 0
+        self._ran.clear()
+        self._read.clear()
         try:
-            with self._mode:
+            with self._mode, hf_interface.listening(_InterfaceListener(self)):
                 yield self
             self._flush()
+            self._warn_unread()
         finally:
             self._recording = False
+            self._interface_frames.clear()
             self._pending.clear()
             self._query_masks = []
             self._document_ids = None
@@ -608,6 +644,7 @@ class AttentionCapture:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if self._recording:
                 self._stack.append((name, _takes_other_keys(module, args, kwargs)))
+                self._ran.add(name)
 
         return hook
 
@@ -675,7 +712,56 @@ class AttentionCapture:
                 same = bound["query"] is bound["key"] and call.support.num_queries == call.support.num_keys
                 self._receive(replace(call, self_attention=same))
 
+    def _on_flex(self, args: tuple, kwargs: dict) -> None:
+        if not self._recording or torch.compiler.is_compiling():
+            return  # traced flex calls are not read (the unread-path warning names the module)
+        layer, other_keys = self._stack[-1] if self._stack else (_UNOWNED_FLEX, False)
+        if layer == _UNOWNED_FLEX or self._selected(layer):
+            q, k, scale, support, score_mod = read_flex_call(args, kwargs)
+            same = support.num_queries == support.num_keys and not other_keys
+            self._receive(AttentionCall(layer, support, q, k, scale, score_mod=score_mod, self_attention=same))
+
+    def _on_interface(
+        self, module: nn.Module, implementation: str, query: Tensor, key: Tensor, mask: Any, kwargs: dict
+    ) -> None:
+        """A Hugging Face attention-interface call that no inner path (SDPA, flex) saw."""
+        name = self._names[id(module)] or type(module).__name__
+        if not self._recording or not self._selected(name):
+            return
+        try:
+            q, k, scale, support, score_mod = hf_interface.read_interface_call(module, query, key, mask, kwargs)
+        except ValueError as error:
+            self._read.add(name)  # named here; not again as unread
+            self._warn_once(
+                f"unreadable:{name}",
+                f"attn_monitor cannot read {name!r} ({type(module).__name__}, attn_implementation="
+                f"{implementation!r}): {error} This layer is skipped; run it with attn_implementation='sdpa' or "
+                "'eager' to monitor it.",
+            )
+            return
+        on_stack = self._stack and self._stack[-1][0] == name
+        other_keys = self._stack[-1][1] if on_stack else _takes_other_keys(module, (), {})
+        same = support.num_queries == support.num_keys and not other_keys
+        self._receive(AttentionCall(name, support, q, k, scale, score_mod=score_mod, self_attention=same))
+
+    def _warn_unread(self) -> None:
+        """Name the Hugging Face attention modules that ran but whose attention no path could read."""
+        for name in sorted(self._ran - self._read):
+            implementation = self._hf_leaves.get(name)
+            if implementation is None or implementation == "eager" or not self._selected(name):
+                continue
+            self._warn_once(
+                f"unread:{name}",
+                f"attn_monitor saw no attention call in {name!r} (attn_implementation={implementation!r}): its "
+                "kernel is called neither through torch.nn.functional.scaled_dot_product_attention, flex_attention "
+                "nor transformers' ALL_ATTENTION_FUNCTIONS. This layer is not monitored; run it with "
+                "attn_implementation='sdpa' or 'eager', or pass an adapter for it.",
+            )
+
     def _receive(self, call: AttentionCall) -> None:
+        if self._interface_frames:
+            self._interface_frames[-1] += 1
+        self._read.add(call.layer)
         self._pending.append(replace(call, document_ids=self._document_ids))
         if not torch.compiler.is_compiling():
             self._flush()
@@ -683,7 +769,7 @@ class AttentionCapture:
     def _flush(self) -> None:
         while self._pending:
             call = self._pending.pop(0)
-            if call.layer in (_UNOWNED_SDPA, _UNOWNED_MHA):
+            if call.layer in _UNOWNED:
                 # No attention module around it: named by its order in the forward pass.
                 name = f"{call.layer.strip(chr(0))}_call_{self._unowned}"
                 self._unowned += 1
@@ -725,6 +811,28 @@ class AttentionCapture:
         if real is not None:
             sample = sample & real.to(sample.device)[:, None, :]
         return sample
+
+
+class _InterfaceListener:
+    """A recording capture as :func:`~attn_monitor.hf_interface.listening` sees it."""
+
+    def __init__(self, capture: AttentionCapture) -> None:
+        self._capture = capture
+
+    def owns(self, module: nn.Module) -> bool:
+        return id(module) in self._capture._names
+
+    def interface_enter(self) -> None:
+        self._capture._interface_frames.append(0)
+
+    def interface_exit(self) -> int:
+        frames = self._capture._interface_frames
+        return frames.pop() if frames else 0
+
+    def on_interface(
+        self, module: nn.Module, implementation: str, query: Tensor, key: Tensor, mask: Any, kwargs: dict
+    ) -> None:
+        self._capture._on_interface(module, implementation, query, key, mask, kwargs)
 
 
 class EntropyUpdate:
@@ -772,6 +880,9 @@ class EntropyUpdate:
                     "sdpa attention, for the pre-dropout distribution.",
                 )
                 sample = sample & ~stranded
+        elif call.q is not None and call.k is not None and call.score_mod is not None:
+            scale = 1.0 / math.sqrt(call.q.shape[-1]) if call.scale is None else call.scale
+            _, entropy = score_mod_lse_entropy(call.q, call.k, call.support, scale, call.score_mod)
         elif call.q is not None and call.k is not None:
             entropy = entropy_from_qk(call.q, call.k, mask=call.support, scale=call.scale, method=self.method)
         else:
@@ -1057,8 +1168,10 @@ def nothing_captured_message(model: nn.Module) -> str:
     hint = f" The model uses attn_implementation={implementation!r};" if implementation else ""
     return (
         f"attn_monitor captured no attention call in {type(model).__name__}. It looks for calls of "
-        "torch.nn.functional.scaled_dot_product_attention, nn.MultiheadAttention, and modules given "
-        f"`adapters` (Hugging Face eager attention is found automatically).{hint} Fused kernels that bypass "
-        "these (flash_attention_2, flex_attention, custom CUDA kernels) cannot be seen: run the monitored "
-        "model with attn_implementation='sdpa' or 'eager', or pass an adapter for your attention module."
+        "torch.nn.functional.scaled_dot_product_attention, flex_attention, nn.MultiheadAttention, every "
+        "function of transformers' attention interface (ALL_ATTENTION_FUNCTIONS: sdpa, flash_attention_*, "
+        "flex_attention, registered kernels), and modules given `adapters` (Hugging Face eager attention is "
+        f"found automatically).{hint} Kernels called around these (a CUDA kernel called directly by the "
+        "attention module) cannot be seen: run the monitored model with attn_implementation='sdpa' or 'eager', "
+        "or pass an adapter for your attention module."
     )
