@@ -866,7 +866,7 @@ class EntropyUpdate:
         self._warn_once = WarnOnce()
 
     def __call__(self, call: AttentionCall, sample: Tensor) -> None:
-        call, reached = _without_nonfinite(call)
+        call, reached = without_nonfinite(call)
         if call.probs is not None:
             entropy = attention_entropy(call.probs, call.support.dense(), no_mass="nan")
             stranded = entropy.isnan() & (call.support.num_valid() > 0)
@@ -905,7 +905,7 @@ class EntropyUpdate:
             )
 
 
-def _without_nonfinite(call: AttentionCall) -> tuple[AttentionCall, Tensor | None]:
+def without_nonfinite(call: AttentionCall) -> tuple[AttentionCall, Tensor | None]:
     """``call`` with its non-finite values replaced, and the (batch, heads, query) queries they reached.
 
     The replacements (0 in q and k, a uniform row of weights) only keep the

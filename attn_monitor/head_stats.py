@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attn_monitor.capture import AttentionCall, _without_nonfinite
+from attn_monitor.capture import AttentionCall, without_nonfinite
 from attn_monitor.functional import attention_distance, attention_max_logit, broadcasts_to, restrict_to_support
 from attn_monitor.metric import LayerMetric
 from attn_monitor.shared import WarnOnce
@@ -308,7 +308,7 @@ class StatisticsUpdate:
         self._warn_once = warn_once if warn_once is not None else WarnOnce()
 
     def __call__(self, call: AttentionCall, sample: Tensor) -> None:
-        call, reached = _without_nonfinite(call)
+        call, reached = without_nonfinite(call)
         layer = call.layer
         support = call.support
         self_attention = call.self_attention is not False and support.num_queries == support.num_keys
