@@ -270,8 +270,8 @@ def grid_picture(
     if values is None:
         values = columns <= 16 and rows <= 48
     small, text, big = 11, 12, 14
-    cell_height = 24 if values or rows <= 16 else 15
-    cell_width = max(40 if values else 14, min(48, 720 // max(columns, 1)))
+    cell_height = (32 if rows <= 8 else 24) if values or rows <= 16 else 15
+    cell_width = max(40 if values else 14, min(64, 720 // max(columns, 1)))
     label_width = max((_text_size(name, text)[0] for name in row_labels), default=0)
     margin = 12
     left = margin + max(label_width, _text_size(row_title, text)[0]) + 8
@@ -355,7 +355,7 @@ def heatmap_picture(summary: EntropySummary, *, title: str | None = None) -> Pic
         list(summary.layers),
         [str(h) for h in range(grid.shape[1])],
         title=title or "Median normalised attention entropy per head",
-        label="median normalised entropy: 0 = all on one key, 1 = uniform over the visible keys",
+        label="median normalised entropy: 0 = one key, 1 = uniform",
         row_title="layer",
         column_title="head",
     )
@@ -374,7 +374,7 @@ def history_picture(layer: str, steps: Sequence[int], medians: np.ndarray) -> Pi
         [f"head {h}" for h in range(medians.shape[0])],
         [str(step) for step in steps],
         title=f"{layer}: median normalised entropy of each head over training",
-        label="median normalised entropy: 0 = all on one key, 1 = uniform over the visible keys",
+        label="median normalised entropy: 0 = one key, 1 = uniform",
         row_title="",
         column_title="step of the monitored validation",
         values=medians.shape[0] <= 16 and len(steps) <= 12,

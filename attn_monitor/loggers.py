@@ -202,9 +202,10 @@ def tensorboard_layout(
 
     Categories, in order, for each dataloader suffix found in ``names``:
 
-    * ``{prefix}``: a multi-line chart of every layer's mean, then per layer a
-      margin chart of its median with the q25-q75 band (q05-q95 when q25/q75
-      are not logged) and a multi-line chart of its heads' medians;
+    * ``{prefix}``: a multi-line chart of every layer's mean;
+    * ``{prefix} · {layer}`` for each layer (in natural order: ``h.2`` before
+      ``h.10``): a margin chart of its median with the q25-q75 band (q05-q95
+      when q25/q75 are not logged) and a multi-line chart of its heads' medians;
     * ``{family}_heads`` for every other family with per-head values: per
       layer, a multi-line chart of its heads (``q50`` where logged, else the
       first statistic).
@@ -217,9 +218,11 @@ def tensorboard_layout(
     Example:
         >>> layout = tensorboard_layout(["attn_entropy/mean", "attn_entropy/h.0/q50", "attn_entropy/h.0/q25",
         ...     "attn_entropy/h.0/q75", "attn_entropy_heads/h.0/head_0/q50"])
-        >>> layout["attn_entropy"]["h.0 · median, q25-q75 band"]
+        >>> list(layout)
+        ['attn_entropy', 'attn_entropy · h.0']
+        >>> layout["attn_entropy · h.0"]["h.0 · median, q25-q75 band"]
         ['Margin', ['attn_entropy/h.0/q50', 'attn_entropy/h.0/q25', 'attn_entropy/h.0/q75']]
-        >>> kind, (pattern,) = layout["attn_entropy"]["h.0 · median of each head"]
+        >>> kind, (pattern,) = layout["attn_entropy · h.0"]["h.0 · median of each head"]
         >>> print(kind, pattern)
         Multiline ^attn_entropy_heads/h\\.0/head_\\d+/q50$
     """
@@ -240,14 +243,14 @@ def tensorboard_layout(
     layout: dict[str, dict[str, list[Any]]] = {}
     for suffix in suffixes:
         end = re.escape(suffix) + "$"
-        charts: dict[str, list[Any]] = {}
-        charts["all layers · mean"] = ["Multiline", [f"^{re.escape(prefix)}/[^/]+/mean{end}"]]
+        layout[prefix + suffix] = {"all layers · mean": ["Multiline", [f"^{re.escape(prefix)}/[^/]+/mean{end}"]]}
         layers = sorted(
             {name[len(prefix) + 1 : -len(f"/q50{suffix}")] for name in names
              if name.startswith(prefix + "/") and name.endswith(f"/q50{suffix}")},
             key=_natural,
         )
         for layer in layers:
+            charts: dict[str, list[Any]] = {}
             if band is not None:
                 tags = [f"{prefix}/{layer}/{q}{suffix}" for q in ("q50", *band)]
                 if all(tag in names for tag in tags):
@@ -258,7 +261,7 @@ def tensorboard_layout(
                 label = "median" if stat == "q50" else stat
                 pattern = f"^{re.escape(prefix)}_heads/{re.escape(layer)}/head_\\d+/{stat}{end}"
                 charts[f"{layer} · {label} of each head"] = ["Multiline", [pattern]]
-        layout[prefix + suffix] = charts
+            layout[f"{prefix}{suffix} · {layer}"] = charts
     for (family, suffix), per_layer in sorted(heads.items()):
         if family == prefix:
             continue

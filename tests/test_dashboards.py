@@ -218,9 +218,11 @@ def test_custom_scalars_layout_one_chart_per_layer(fit_run: Fit) -> None:
     events = accumulator.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout.FromString(events[-1].tensor_proto.string_val[0])
     scalars = set(accumulator.Tags()["scalars"])
-    (category,) = [c for c in layout.category if c.title == PREFIX]
-    margins = [c for c in category.chart if c.HasField("margin")]
-    multilines = [c for c in category.chart if c.HasField("multiline")]
+    titles = [c.title for c in layout.category]
+    assert titles == [PREFIX, *(f"{PREFIX} · {layer}" for layer in lm.GPT_LAYERS)]  # one category per layer
+    charts = [chart for category in layout.category for chart in category.chart]
+    margins = [c for c in charts if c.HasField("margin")]
+    multilines = [c for c in charts if c.HasField("multiline")]
     assert len(margins) == len(lm.GPT_LAYERS)
     for chart, layer in zip(margins, lm.GPT_LAYERS, strict=True):
         (series,) = chart.margin.series
