@@ -286,7 +286,9 @@ class AttentionEntropyMonitor(Callback):
             suffix = f"/dataloader_idx_{index}" if count > 1 else ""
             if trainer.sanity_checking:  # Lightning writes no metric of the sanity check: write them at step 0
                 if trainer.is_global_zero:
-                    self.options.write(trainer.loggers, summary, trainer.global_step, extra_scalars=extra, suffix=suffix)
+                    self.options.write(
+                        trainer.loggers, summary, trainer.global_step, extra_scalars=extra, suffix=suffix
+                    )
                 continue
             scalars = self.options.scalars(summary, extra_scalars=extra, suffix=suffix)
             # Every rank logs the same (already reduced) values, so every rank's callback_metrics hold them.

@@ -166,7 +166,8 @@ def _palette(colours: str) -> np.ndarray:
 def _colour_index(values: np.ndarray, limits: tuple[float, float]) -> np.ndarray:
     low, high = limits
     span = high - low if high > low else 1.0
-    return np.clip(np.round((np.nan_to_num(values, nan=low) - low) / span * 255), 0, 255).astype(np.intp)
+    index: np.ndarray = np.clip(np.round((np.nan_to_num(values, nan=low) - low) / span * 255), 0, 255)
+    return index.astype(np.intp)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -251,8 +252,15 @@ def grid_picture(
         ValueError: ``grid`` is not 2-D or the labels do not match it.
 
     Example:
-        >>> picture = grid_picture(np.array([[0.0, 1.0]]), ["layer"], ["0", "1"], title="t", label="v",
-        ...                        row_title="layer", column_title="head")
+        >>> picture = grid_picture(
+        ...     np.array([[0.0, 1.0]]),
+        ...     ["layer"],
+        ...     ["0", "1"],
+        ...     title="t",
+        ...     label="v",
+        ...     row_title="layer",
+        ...     column_title="head",
+        ... )
         >>> picture.size[0] >= 400 and picture.size[1] >= 300
         True
         >>> read_cells(picture).tolist()

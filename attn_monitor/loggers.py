@@ -118,8 +118,9 @@ def summary_scalars(
         >>> [name for name in names if "head_" in name]  # doctest: +NORMALIZE_WHITESPACE
         ['attn_entropy_heads/blocks.0.attn/head_0/mean', 'attn_entropy_heads/blocks.0.attn/head_0/q50',
          'attn_entropy_heads/blocks.0.attn/head_1/mean', 'attn_entropy_heads/blocks.0.attn/head_1/q50']
-        >>> [name for name in names if "head_" not in name]
-        ['attn_entropy/blocks.0.attn/mean', 'attn_entropy/blocks.0.attn/mean_seq', 'attn_entropy/blocks.0.attn/nats_mean', 'attn_entropy/blocks.0.attn/q50', 'attn_entropy/mean']
+        >>> [name for name in names if "head_" not in name]  # doctest: +NORMALIZE_WHITESPACE
+        ['attn_entropy/blocks.0.attn/mean', 'attn_entropy/blocks.0.attn/mean_seq',
+         'attn_entropy/blocks.0.attn/nats_mean', 'attn_entropy/blocks.0.attn/q50', 'attn_entropy/mean']
     """
     scalars = summary.to_dict(prefix, quantiles=quantiles, per_head=per_head)
     scalars.update(extra_scalars or {})
@@ -216,8 +217,15 @@ def tensorboard_layout(
         expressions).
 
     Example:
-        >>> layout = tensorboard_layout(["attn_entropy/mean", "attn_entropy/h.0/q50", "attn_entropy/h.0/q25",
-        ...     "attn_entropy/h.0/q75", "attn_entropy_heads/h.0/head_0/q50"])
+        >>> layout = tensorboard_layout(
+        ...     [
+        ...         "attn_entropy/mean",
+        ...         "attn_entropy/h.0/q50",
+        ...         "attn_entropy/h.0/q25",
+        ...         "attn_entropy/h.0/q75",
+        ...         "attn_entropy_heads/h.0/head_0/q50",
+        ...     ]
+        ... )
         >>> list(layout)
         ['attn_entropy', 'attn_entropy · h.0']
         >>> layout["attn_entropy · h.0"]["h.0 · median, q25-q75 band"]
@@ -245,8 +253,11 @@ def tensorboard_layout(
         end = re.escape(suffix) + "$"
         layout[prefix + suffix] = {"all layers · mean": ["Multiline", [f"^{re.escape(prefix)}/[^/]+/mean{end}"]]}
         layers = sorted(
-            {name[len(prefix) + 1 : -len(f"/q50{suffix}")] for name in names
-             if name.startswith(prefix + "/") and name.endswith(f"/q50{suffix}")},
+            {
+                name[len(prefix) + 1 : -len(f"/q50{suffix}")]
+                for name in names
+                if name.startswith(prefix + "/") and name.endswith(f"/q50{suffix}")
+            },
             key=_natural,
         )
         for layer in layers:
@@ -285,9 +296,7 @@ def send_alert(loggers: Iterable[Any], title: str, text: str) -> None:
     """Send ``text`` as a W&B alert (``run.alert``, level WARN) to every attached W&B logger."""
     for logger in loggers:
         if logger_kind(logger) == "wandb":
-            import wandb
-
-            logger.experiment.alert(title=title, text=text, level=wandb.AlertLevel.WARN)
+            logger.experiment.alert(title=title, text=text, level="WARN")
 
 
 class Dashboards:

@@ -111,7 +111,13 @@ def test_heatmap_leaves_missing_heads_blank_and_writes_values_up_to_16_heads() -
     assert ink_in_middle(picture, 0, 0)
     rng = np.random.default_rng(0)
     wide = grid_picture(
-        rng.random((2, 17)), ["a", "b"], [str(h) for h in range(17)], title="t", label="l", row_title="", column_title=""
+        rng.random((2, 17)),
+        ["a", "b"],
+        [str(h) for h in range(17)],
+        title="t",
+        label="l",
+        row_title="",
+        column_title="",
     )
     assert not ink_in_middle(wide, 0, 0)
 
@@ -176,9 +182,13 @@ def fit_run(tmp_path_factory: pytest.TempPathFactory) -> Fit:
             WandbLogger(save_dir=str(root), offline=True, project="attn-monitor-tests", settings=wandb_settings()),
         ]
         monitor = AttentionEntropyMonitor(collapse_threshold=0.99)
-        trainer = make_trainer(root, loggers=loggers, callbacks=[monitor], accumulate_grad_batches=2, val_check_interval=3)
+        trainer = make_trainer(
+            root, loggers=loggers, callbacks=[monitor], accumulate_grad_batches=2, val_check_interval=3
+        )
         try:
-            trainer.fit(lm.TinyGPT(lr=0.05), lm.loader(lm.make_batches(6, seed=1)), lm.loader(lm.make_batches(3, seed=2)))
+            trainer.fit(
+                lm.TinyGPT(lr=0.05), lm.loader(lm.make_batches(6, seed=1)), lm.loader(lm.make_batches(3, seed=2))
+            )
         finally:
             wandb.finish()
     files = glob.glob(str(root / "wandb" / "*run-*" / "run-*.wandb"))
@@ -208,7 +218,9 @@ def test_main_group_has_per_layer_statistics_only(fit_run: Fit) -> None:
     assert not any("/head_" in t for t in main)
     per_layer = ("mean", "mean_seq", "nats_mean", "q05", "q25", "q50", "q75", "q95", "collapsed_heads")
     assert main == {f"{PREFIX}/mean"} | {f"{PREFIX}/{la}/{s}" for la in lm.GPT_LAYERS for s in per_layer}
-    assert heads == {f"{PREFIX}_heads/{la}/head_{h}/{s}" for la in lm.GPT_LAYERS for h in range(4) for s in ("mean", "q50")}
+    assert heads == {
+        f"{PREFIX}_heads/{la}/head_{h}/{s}" for la in lm.GPT_LAYERS for h in range(4) for s in ("mean", "q50")
+    }
 
 
 def test_custom_scalars_layout_one_chart_per_layer(fit_run: Fit) -> None:
@@ -226,13 +238,17 @@ def test_custom_scalars_layout_one_chart_per_layer(fit_run: Fit) -> None:
     assert len(margins) == len(lm.GPT_LAYERS)
     for chart, layer in zip(margins, lm.GPT_LAYERS, strict=True):
         (series,) = chart.margin.series
-        assert (series.value, series.lower, series.upper) == tuple(f"{PREFIX}/{layer}/{q}" for q in ("q50", "q25", "q75"))
+        assert (series.value, series.lower, series.upper) == tuple(
+            f"{PREFIX}/{layer}/{q}" for q in ("q50", "q25", "q75")
+        )
         assert layer in chart.title
     # One line per head for each layer, plus one chart of every layer's mean.
     for layer in lm.GPT_LAYERS:
         (chart,) = [c for c in multilines if c.title.startswith(layer)]
         (pattern,) = chart.multiline.tag
-        assert {t for t in scalars if re.search(pattern, t)} == {f"{PREFIX}_heads/{layer}/head_{h}/q50" for h in range(4)}
+        assert {t for t in scalars if re.search(pattern, t)} == {
+            f"{PREFIX}_heads/{layer}/head_{h}/q50" for h in range(4)
+        }
     (overview,) = [c for c in multilines if c.title.startswith("all layers")]
     assert {t for t in scalars if re.search(overview.multiline.tag[0], t)} == {
         f"{PREFIX}/{layer}/mean" for layer in lm.GPT_LAYERS
