@@ -355,9 +355,12 @@ def median_grid(summary: EntropySummary) -> np.ndarray:
     return grid
 
 
-def heatmap_picture(summary: EntropySummary, *, title: str | None = None) -> Picture:
-    """Layer x head picture of each head's median normalised entropy (see :func:`median_grid`)."""
-    grid = median_grid(summary)
+def heatmap_picture(summary: EntropySummary, *, title: str | None = None, grid: np.ndarray | None = None) -> Picture:
+    """Layer x head picture of each head's median normalised entropy.
+
+    ``grid`` is :func:`median_grid` of ``summary``, computed here unless given.
+    """
+    grid = median_grid(summary) if grid is None else grid
     return grid_picture(
         grid,
         list(summary.layers),

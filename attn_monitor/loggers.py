@@ -318,14 +318,21 @@ class Dashboards:
         self.history: dict[tuple[str, str], list[tuple[int, dict[str, np.ndarray]]]] = {}
         self._layouts: dict[int, dict[str, dict[str, list[Any]]]] = {}
 
-    def remember(self, summary: EntropySummary, step: int, *, prefix: str, suffix: str = "") -> None:
-        """Add ``summary``'s per-head medians at ``step`` to the history (a repeated step replaces its entry)."""
-        grid = median_grid(summary)
+    def remember(
+        self, summary: EntropySummary, step: int, *, prefix: str, suffix: str = "", grid: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Add ``summary``'s per-head medians at ``step`` to the history (a repeated step replaces its entry).
+
+        Returns:
+            The (layers, heads) medians (:func:`~attn_monitor.figures.median_grid`, or ``grid`` when given).
+        """
+        grid = median_grid(summary) if grid is None else grid
         entry = {layer: grid[index, : summary.num_heads[index]] for index, layer in enumerate(summary.layers)}
         history = self.history.setdefault((prefix, suffix), [])
         if history and history[-1][0] == step:
             history.pop()
         history.append((step, entry))
+        return grid
 
     def medians_over_time(self, layer: str, *, prefix: str, suffix: str = "") -> tuple[list[int], np.ndarray]:
         """Steps and the (heads, steps) medians of ``layer`` (NaN where it was not seen)."""
@@ -359,13 +366,13 @@ class Dashboards:
         """
         options = self.options
         prefix = options.prefix if prefix is None else prefix
-        self.remember(summary, step, prefix=prefix, suffix=suffix)
+        grid = self.remember(summary, step, prefix=prefix, suffix=suffix)
         loggers = [logger for logger in loggers if logger_kind(logger) != "other"]
         if not loggers or not summary.layers:
             return
         pictures: dict[str, Picture] = {}
         if options.heatmap:
-            pictures[f"{prefix}/heatmap{suffix}"] = heatmap_picture(summary)
+            pictures[f"{prefix}/heatmap{suffix}"] = heatmap_picture(summary, grid=grid)
             for layer in summary.layers:
                 steps, medians = self.medians_over_time(layer, prefix=prefix, suffix=suffix)
                 pictures[f"{prefix}_heads/{layer}/over_training{suffix}"] = history_picture(layer, steps, medians)
