@@ -76,11 +76,12 @@ class AttentionEntropyMonitor(Callback):
         layers: layer name patterns (globs) to monitor; each must match a
             module at setup.
         adapters: module name pattern -> adapter, see :class:`AttentionCapture`.
-        per_head: log per-head mean and median.
+        per_head: log per-head mean and median (under ``{prefix}_heads/``).
         quantiles: quantile levels logged per layer, each in [0, 1].
         histogram_bins: bins of the logged histograms (None: no histograms);
             at most 512 when a W&B logger is attached.
-        heatmap: log the layer x head median heatmap.
+        heatmap: log the layer x head median heatmap and, per layer, the
+            heads-over-training picture (TensorBoard and W&B).
         prefix: first component of every logged name; two monitors in one
             Trainer need different prefixes (it also keys the checkpoint state).
         include_single_key: count one-key queries (see :class:`AttentionEntropy`).

@@ -32,7 +32,7 @@ import numpy as np
 
 from attn_monitor.figures import Picture, heatmap_picture, history_picture, median_grid
 from attn_monitor.functional import coarsen
-from attn_monitor.metric import EntropySummary
+from attn_monitor.metric import EntropySummary, _quantile_name
 from attn_monitor.shared import WarnOnce, check_int
 
 __all__ = [
@@ -187,13 +187,6 @@ def _band(quantiles: Sequence[float]) -> tuple[str, str] | None:
         if set(pair) <= names:
             return pair
     return None
-
-
-def _quantile_name(q: float) -> str:
-    percent = q * 100
-    if abs(percent - round(percent)) > 1e-9:
-        return "q" + f"{percent:g}".replace(".", "_")
-    return f"q{round(percent):02d}"
 
 
 def tensorboard_layout(

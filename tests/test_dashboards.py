@@ -357,3 +357,25 @@ def test_early_stopping_and_checkpoint_monitor_entropy(tmp_path: Path) -> None:
     assert os.path.isfile(checkpoint.best_model_path)
     # The monitor's values are logged together with the module's own validation loss, in one record.
     assert all("val_loss" in m for _, m in logger.records if f"{PREFIX}/mean" in m)
+
+
+def test_layout_keeps_validation_dataloaders_apart() -> None:
+    names = [
+        f"{name}/dataloader_idx_{i}"
+        for i in (0, 1)
+        for name in [
+            "attn_entropy/mean",
+            *(f"attn_entropy/h.0/{q}" for q in ("q25", "q50", "q75", "mean")),
+            *(f"attn_entropy_heads/h.0/head_{h}/q50" for h in range(2)),
+        ]
+    ]
+    layout = tensorboard_layout(names)
+    assert list(layout) == [f"attn_entropy/dataloader_idx_{i}{part}" for i in (0, 1) for part in ("", " · h.0")]
+    for i in (0, 1):
+        charts = layout[f"attn_entropy/dataloader_idx_{i} · h.0"]
+        margin = next(tags for kind, tags in charts.values() if kind == "Margin")
+        assert margin == [f"attn_entropy/h.0/{q}/dataloader_idx_{i}" for q in ("q50", "q25", "q75")]
+        (pattern,) = next(tags for kind, tags in charts.values() if kind == "Multiline")
+        assert [n for n in names if re.search(pattern, n)] == [
+            f"attn_entropy_heads/h.0/head_{h}/q50/dataloader_idx_{i}" for h in range(2)
+        ]
