@@ -379,3 +379,39 @@ def test_layout_keeps_validation_dataloaders_apart() -> None:
         assert [n for n in names if re.search(pattern, n)] == [
             f"attn_entropy_heads/h.0/head_{h}/q50/dataloader_idx_{i}" for h in range(2)
         ]
+
+
+class _TwoStepsPerBatch(lm.TinyGPT):
+    """Manual optimisation with two optimizer steps per batch: ``global_step`` runs twice as fast as batches."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.01)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:  # type: ignore[override]
+        first, second = self.optimizers()  # type: ignore[misc]
+        for optimizer in (first, second):
+            loss = lm.lm_loss(self(**batch), batch)
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self) -> Any:  # type: ignore[override]
+        blocks = list(self.blocks.parameters())
+        rest = [p for p in self.parameters() if all(p is not b for b in blocks)]
+        return torch.optim.SGD(blocks, lr=self.lr), torch.optim.SGD(rest, lr=self.lr)
+
+
+def test_pictures_follow_val_loss_with_manual_optimization(tmp_path: Path) -> None:
+    monitor = AttentionEntropyMonitor(histogram_bins=10)
+    tensorboard = TensorBoardLogger(tmp_path, name="tb")
+    trainer = make_trainer(tmp_path, loggers=[tensorboard], callbacks=[monitor], limit_train_batches=3)
+    trainer.fit(_TwoStepsPerBatch(), lm.loader(lm.make_batches(3, seed=1)), lm.loader(lm.make_batches(2, seed=2)))
+    assert trainer.global_step == 12  # 2 epochs x 3 batches x 2 optimizers
+    accumulator = read_tensorboard(tensorboard.log_dir)
+    steps = [e.step for e in accumulator.Scalars("val_loss")]
+    assert steps == [2, 5]  # batches before the last one of each epoch
+    assert [e.step for e in accumulator.Scalars(f"{PREFIX}/mean")] == steps
+    assert [e.step for e in accumulator.Histograms(f"{PREFIX}/blocks.0.attn/hist")] == steps
+    assert [e.step for e in accumulator.Images(f"{PREFIX}/heatmap")] == steps
