@@ -13,10 +13,15 @@ own, and the data flows one way through them:
 * :class:`~attn_monitor.alerts.CollapseAlert` and
   :class:`~attn_monitor.alerts.LeakageAlert`: what a summary warns about;
 * :class:`~attn_monitor.loggers.LogOptions`: what is logged, and how, to each
-  logger; :class:`~attn_monitor.comparison.SummaryArchive`: what is saved.
+  logger, :class:`~attn_monitor.loggers.Dashboards`: the histograms, charts
+  and pictures; :class:`~attn_monitor.comparison.SummaryArchive`: what is saved.
 
 At the end of a monitored validation run every rank computes each stream's
-summary (a collective), rank zero logs it, and the streams are reset.
+summary (a collective) and logs its scalars with ``LightningModule.log``, so
+they reach ``trainer.callback_metrics`` (``EarlyStopping`` and
+``ModelCheckpoint`` can monitor them) and every logger at the step of the
+module's own validation metrics; rank zero writes the rest at that step, and
+the streams are reset.
 Outside recorded batches the capture's hooks pass straight through.
 """
 
@@ -38,7 +43,7 @@ from attn_monitor.alerts import CollapseAlert, LeakageAlert, MaxLogitAlert, Over
 from attn_monitor.capture import Adapter, AttentionCapture, nothing_captured_message
 from attn_monitor.comparison import SummaryArchive
 from attn_monitor.head_stats import StatisticsSummary
-from attn_monitor.loggers import LogOptions
+from attn_monitor.loggers import Dashboards, LogOptions, send_alert, warn_scalars_only
 from attn_monitor.metric import EntropySummary
 from attn_monitor.recording import BatchMask, Recorder
 from attn_monitor.schedule import BatchSchedule
@@ -72,11 +77,12 @@ class AttentionEntropyMonitor(Callback):
         layers: layer name patterns (globs) to monitor; each must match a
             module at setup.
         adapters: module name pattern -> adapter, see :class:`AttentionCapture`.
-        per_head: log per-head mean and median.
+        per_head: log per-head mean and median (under ``{prefix}_heads/``).
         quantiles: quantile levels logged per layer, each in [0, 1].
         histogram_bins: bins of the logged histograms (None: no histograms);
             at most 512 when a W&B logger is attached.
-        heatmap: log the layer x head median heatmap.
+        heatmap: log the layer x head median heatmap and, per layer, the
+            heads-over-training picture (TensorBoard and W&B).
         prefix: first component of every logged name; two monitors in one
             Trainer need different prefixes (it also keys the checkpoint state).
         include_single_key: count one-key queries (see :class:`AttentionEntropy`).
@@ -199,12 +205,11 @@ class AttentionEntropyMonitor(Callback):
             max_logit=max_logit,
             distance=distance,
         )
-        self.collapse = CollapseAlert(
-            threshold=collapse_threshold, drop=collapse_drop, prefix=prefix, warn=rank_zero_warn
-        )
-        self.overload = OverloadAlert(threshold=overload_threshold, prefix=prefix, warn=rank_zero_warn)
-        self.max_logit_alert = MaxLogitAlert(threshold=max_logit_threshold, warn=rank_zero_warn)
-        self.leakage = LeakageAlert(warn=rank_zero_warn)
+        self.dashboards = Dashboards(self.options)
+        self.collapse = CollapseAlert(threshold=collapse_threshold, drop=collapse_drop, prefix=prefix, warn=self._alert)
+        self.overload = OverloadAlert(threshold=overload_threshold, prefix=prefix, warn=self._alert)
+        self.max_logit_alert = MaxLogitAlert(threshold=max_logit_threshold, warn=self._alert)
+        self.leakage = LeakageAlert(warn=self._alert)
         self.stop_on_collapse = bool(stop_on_collapse)
         self.save_summaries = bool(save_summaries)
         #: Summary of each validation dataloader at the last monitored validation run.
@@ -212,6 +217,7 @@ class AttentionEntropyMonitor(Callback):
         #: Max logit and distance of each validation dataloader at the last monitored run (when on).
         self.last_statistics: dict[int, StatisticsSummary] = {}
         self._warn_once = WarnOnce(rank_zero_warn)
+        self._loggers: list[Any] = []  # the trainer's, from setup: alerts also go to W&B runs
         self._recording = ExitStack()
         self._monitoring = False
         self._training_step = False
@@ -247,7 +253,14 @@ class AttentionEntropyMonitor(Callback):
         if self.recorder.attached:
             return
         self.options.check(trainer.loggers)
+        self._loggers = list(trainer.loggers) if trainer.is_global_zero else []
         self.recorder.attach(pl_module, pl_module.device)
+
+    def _alert(self, message: str, stacklevel: int = 2) -> None:
+        """Warn (rank zero) and send the same text to every attached W&B run as ``run.alert``."""
+        rank_zero_warn(message, stacklevel=stacklevel + 1)
+        title = message.removeprefix("attn_monitor: ").split(" in ", 1)[0].split(":", 1)[0]
+        send_alert(self._loggers, f"attn_monitor: {title}", message)
 
     def _release(self) -> None:
         self._recording.close()
@@ -314,10 +327,21 @@ class AttentionEntropyMonitor(Callback):
                 trainer.should_stop = True
             if masses is not None:
                 self.leakage(masses)
+            suffix = f"/dataloader_idx_{index}" if count > 1 else ""
+            if trainer.sanity_checking:  # Lightning writes no metric of the sanity check: write them at step 0
+                if trainer.is_global_zero:
+                    self.options.write(
+                        trainer.loggers, summary, trainer.global_step, extra_scalars=extra, suffix=suffix
+                    )
+                continue
+            scalars = self.options.scalars(summary, extra_scalars=extra, suffix=suffix)
+            # Every rank logs the same (already reduced) values, so every rank's callback_metrics hold them.
+            pl_module.log_dict(scalars, on_step=False, on_epoch=True, add_dataloader_idx=False, sync_dist=False)
             if not trainer.is_global_zero:
                 continue
-            suffix = f"/dataloader_idx_{index}" if count > 1 else ""
-            self.options.write(trainer.loggers, summary, trainer.global_step, extra_scalars=extra, suffix=suffix)
+            warn_scalars_only(trainer.loggers, bool(self.options.histogram_bins) or self.options.heatmap)
+            step = lightning_log_step(trainer)
+            self.dashboards.write(trainer.loggers, summary, step, scalar_names=scalars, suffix=suffix)
             if self.save_summaries:
                 archive = SummaryArchive(os.path.join(trainer.log_dir or trainer.default_root_dir, "attn_entropy"))
                 archive.save(summary, trainer.current_epoch, index if count > 1 else None)
@@ -346,7 +370,9 @@ class AttentionEntropyMonitor(Callback):
         self._recording.close()
         summary, _ = self.recorder.collect(TRAIN)
         if summary is not None and trainer.is_global_zero:
-            self.options.write(trainer.loggers, summary, trainer.global_step, prefix=f"{self.options.prefix}_train")
+            prefix = f"{self.options.prefix}_train"
+            step = lightning_log_step(trainer)  # the step of this batch's own `self.log` values
+            self.options.write(trainer.loggers, summary, step, prefix=prefix, dashboards=self.dashboards)
         self._warn_if_blind()
 
     # -- checkpointing -------------------------------------------------------
@@ -362,3 +388,26 @@ class AttentionEntropyMonitor(Callback):
         if isinstance(first, list):  # one validation dataloader, as saved before per-dataloader baselines
             first = {0: first}
         self.collapse.baselines = {int(k): torch.tensor(v, dtype=torch.float64) for k, v in first.items()}
+
+
+def lightning_log_step(trainer: pl.Trainer) -> int:
+    """The step at which Lightning writes values logged with ``self.log`` right now.
+
+    Lightning logs a training batch's values, and a validation run's, at the
+    count of training batches that stepped the optimizer *before* the current
+    one: one less than ``trainer.global_step`` once the current batch has
+    stepped (the validation after 40 steps is logged at step 39). Derived from
+    public trainer state: the fit loop's batch index, ``accumulate_grad_batches``
+    and the number of training batches; with manual optimisation, every batch
+    counts. Outside ``fit`` (``trainer.validate``) it is ``trainer.global_step``.
+
+    Call it from ``on_train_batch_end`` or from a validation hook during fit.
+    """
+    if trainer.state.fn != "fit" or trainer.sanity_checking:
+        return trainer.global_step
+    loop = trainer.fit_loop.epoch_loop
+    if not trainer.lightning_module.automatic_optimization:
+        return int(loop.total_batch_idx)
+    batch = loop.batch_idx
+    stepped = (batch + 1) % trainer.accumulate_grad_batches == 0 or batch + 1 >= trainer.num_training_batches
+    return max(trainer.global_step - int(stepped), 0)

@@ -1,20 +1,37 @@
-"""Pictures of entropy summaries: layer x head heatmaps, drawn without pyplot.
+"""Pictures of entropy summaries: layer x head heatmaps and heads over training.
 
-matplotlib is imported inside the functions, so importing this module (and
-the callback that uses it) costs nothing until a picture is drawn.
+The pictures logged during training (:func:`heatmap_picture`,
+:func:`history_picture`) are drawn straight into pixel arrays by
+:func:`grid_picture`; :func:`layer_head_figure` makes a matplotlib figure
+(without pyplot) for reports saved to files. matplotlib and Pillow are
+imported inside the functions, so importing this module (and the callback
+that uses it) costs nothing until a picture is drawn.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from attn_monitor.metric import EntropySummary
 
-__all__ = ["figure_to_array", "heatmap_figure", "layer_head_figure", "save_heatmap"]
+__all__ = [
+    "Picture",
+    "figure_to_array",
+    "grid_picture",
+    "heatmap_figure",
+    "heatmap_picture",
+    "history_picture",
+    "layer_head_figure",
+    "median_grid",
+    "read_cells",
+    "save_heatmap",
+]
 
 
 def layer_head_figure(
@@ -84,5 +101,292 @@ def figure_to_array(figure: Any) -> np.ndarray:
 
 
 def save_heatmap(summary: EntropySummary, path: str | os.PathLike[str], **kwargs: Any) -> None:
-    """Write :func:`heatmap_figure` to ``path`` (PNG by extension)."""
-    heatmap_figure(summary, **kwargs).savefig(os.fspath(path), dpi=120)
+    """Write :func:`heatmap_picture` to ``path`` (PNG by extension)."""
+    from PIL import Image
+
+    Image.fromarray(heatmap_picture(summary, **kwargs).pixels).save(os.fspath(path))
+
+
+# --------------------------------------------------------------------------- pictures drawn as pixel arrays
+#
+# The validation path draws its pictures straight into a numpy array: cells
+# are filled with numpy, text is set with Pillow (matplotlib's own
+# dependency) in the DejaVu font matplotlib ships. No Figure, no layout
+# engine: a 32 x 32 heatmap takes a few milliseconds, and what each cell holds
+# is the returned ``grid``, which tests read back from the pixels.
+
+_BACKGROUND = (255, 255, 255)
+_EMPTY = (217, 217, 217)
+_INK = (33, 33, 33)
+
+
+@dataclass(frozen=True)
+class Picture:
+    """A picture drawn from a grid of values, and where each value went.
+
+    Attributes:
+        pixels: (height, width, 3) uint8 RGB.
+        grid: (rows, columns) float64, the value each cell shows (NaN: an empty cell).
+        cells: (rows, columns, 4) int, each cell's pixel box ``left, top, right, bottom``
+            (right and bottom exclusive).
+        limits: the values at the two ends of the colour scale.
+        colours: name of the matplotlib colour map.
+    """
+
+    pixels: np.ndarray
+    grid: np.ndarray
+    cells: np.ndarray
+    limits: tuple[float, float]
+    colours: str
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """``(width, height)`` in pixels."""
+        return int(self.pixels.shape[1]), int(self.pixels.shape[0])
+
+
+@functools.lru_cache(maxsize=8)
+def _font(size: int) -> Any:
+    import matplotlib
+    from PIL import ImageFont
+
+    return ImageFont.truetype(os.path.join(matplotlib.get_data_path(), "fonts", "ttf", "DejaVuSans.ttf"), size)
+
+
+@functools.lru_cache(maxsize=8)
+def _palette(colours: str) -> np.ndarray:
+    """(256, 3) uint8 colours of a matplotlib colour map."""
+    import matplotlib
+
+    table = matplotlib.colormaps[colours](np.linspace(0.0, 1.0, 256))[:, :3]
+    palette: np.ndarray = np.round(table * 255).astype(np.uint8)
+    return palette
+
+
+def _colour_index(values: np.ndarray, limits: tuple[float, float]) -> np.ndarray:
+    low, high = limits
+    span = high - low if high > low else 1.0
+    index: np.ndarray = np.clip(np.round((np.nan_to_num(values, nan=low) - low) / span * 255), 0, 255)
+    return index.astype(np.intp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stamp(text: str, size: int) -> np.ndarray:
+    """(height, width) uint8 coverage of ``text`` set in DejaVu at ``size`` pixels, cropped to its ink."""
+    from PIL import Image, ImageDraw
+
+    left, top, right, bottom = _font(size).getbbox(text)
+    canvas = Image.new("L", (max(1, int(right - left)), max(1, int(bottom - top))), 0)
+    ImageDraw.Draw(canvas).text((-left, -top), text, fill=255, font=_font(size))
+    stamp: np.ndarray = np.asarray(canvas)
+    stamp.flags.writeable = False
+    return stamp
+
+
+def _text_size(text: str, size: int) -> tuple[int, int]:
+    height, width = _stamp(text, size).shape
+    return width, height
+
+
+def _put(pixels: np.ndarray, text: str, size: int, x: int, y: int, anchor: str, ink: tuple[int, int, int]) -> None:
+    """Blend ``text`` into ``pixels``; ``anchor`` is horizontal (l, m, r) then vertical (t, m, b), as in Pillow."""
+    if not text:
+        return
+    stamp = _stamp(text, size)
+    height, width = stamp.shape
+    x0 = x - {"l": 0, "m": width // 2, "r": width}[anchor[0]]
+    y0 = y - {"t": 0, "m": height // 2, "b": height}[anchor[1]]
+    top, left = max(y0, 0), max(x0, 0)
+    bottom, right = min(y0 + height, pixels.shape[0]), min(x0 + width, pixels.shape[1])
+    if bottom <= top or right <= left:
+        return
+    alpha = stamp[top - y0 : bottom - y0, left - x0 : right - x0, None].astype(np.float32) / 255.0
+    region = pixels[top:bottom, left:right]
+    region[:] = (region * (1.0 - alpha) + np.asarray(ink, dtype=np.float32) * alpha).astype(np.uint8)
+
+
+def read_cells(picture: Picture) -> np.ndarray:
+    """The values a picture's cells show, read back from its pixels (NaN: empty cell).
+
+    Each cell's colour is sampled next to its top-left corner (clear of any
+    written value) and matched to the nearest colour of the scale, so the
+    result is exact to one step of the 256-colour scale.
+    """
+    palette = _palette(picture.colours).astype(np.int64)
+    rows, columns = picture.grid.shape
+    out = np.full((rows, columns), np.nan)
+    low, high = picture.limits
+    for row in range(rows):
+        for column in range(columns):
+            left, top, _, _ = picture.cells[row, column]
+            colour = picture.pixels[top + 1, left + 1].astype(np.int64)
+            if tuple(colour) == _EMPTY:
+                continue
+            nearest = int(((palette - colour) ** 2).sum(1).argmin())
+            out[row, column] = low + (high - low) * nearest / 255
+    return out
+
+
+def grid_picture(
+    grid: np.ndarray,
+    row_labels: Sequence[str],
+    column_labels: Sequence[str],
+    *,
+    title: str,
+    label: str,
+    row_title: str,
+    column_title: str,
+    limits: tuple[float, float] = (0.0, 1.0),
+    colours: str = "viridis",
+    values: bool | None = None,
+) -> Picture:
+    """Draw ``grid`` (rows, columns) as coloured cells with labels, a title and a colour bar.
+
+    Sized to stay legible: at least 400 x 300 pixels, cell text in 11 pt
+    DejaVu, row labels never overlap (rows are at least 15 pixels tall), column
+    labels thinned to every k-th when they would touch. ``values`` writes each
+    cell's value in it (default: when the columns are at most 16 and the
+    rows at most 48). Empty (NaN) cells are light grey.
+
+    Raises:
+        ValueError: ``grid`` is not 2-D or the labels do not match it.
+
+    Example:
+        >>> picture = grid_picture(
+        ...     np.array([[0.0, 1.0]]),
+        ...     ["layer"],
+        ...     ["0", "1"],
+        ...     title="t",
+        ...     label="v",
+        ...     row_title="layer",
+        ...     column_title="head",
+        ... )
+        >>> picture.size[0] >= 400 and picture.size[1] >= 300
+        True
+        >>> read_cells(picture).tolist()
+        [[0.0, 1.0]]
+    """
+    grid = np.asarray(grid, dtype=np.float64)
+    if grid.ndim != 2:
+        raise ValueError(f"Expected `grid` with 2 dims (rows, columns), got shape {tuple(grid.shape)}.")
+    rows, columns = grid.shape
+    if len(row_labels) != rows or len(column_labels) != columns:
+        raise ValueError(
+            f"Expected {rows} row labels and {columns} column labels for a grid of shape {(rows, columns)}, "
+            f"got {len(row_labels)} and {len(column_labels)}."
+        )
+    if values is None:
+        values = columns <= 16 and rows <= 48
+    small, text, big = 11, 12, 14
+    cell_height = (32 if rows <= 8 else 24) if values or rows <= 16 else 15
+    cell_width = max(40 if values else 14, min(64, 720 // max(columns, 1)))
+    label_width = max((_text_size(name, text)[0] for name in row_labels), default=0)
+    margin = 12
+    left = margin + max(label_width, _text_size(row_title, text)[0]) + 8
+    top = margin + _text_size(title, big)[1] + 14 + _text_size(row_title, text)[1] + 6
+    grid_width, grid_height = cell_width * columns, cell_height * rows
+    # Column labels: every k-th, so neighbours keep a gap of at least 6 pixels.
+    widest = max((_text_size(name, small)[0] for name in column_labels), default=0)
+    stride = max(1, -(-(widest + 6) // cell_width))
+    bar_top = top + grid_height + 8 + 14 + 6 + _text_size(column_title, text)[1] + 14
+    bar_height = 14
+    height = max(300, bar_top + bar_height + 8 + 14 + 8 + _text_size(label, text)[1] + margin)
+    width = max(400, left + grid_width + margin, margin + _text_size(title, big)[0] + margin)
+    width = max(width, left + _text_size(label, text)[0] + margin)
+
+    pixels = np.full((height, width, 3), 255, dtype=np.uint8)  # _BACKGROUND
+    palette = _palette(colours)
+    cells = np.empty((rows, columns, 4), dtype=np.int64)
+    if rows and columns:
+        colour = palette[_colour_index(grid, limits)]
+        colour[~np.isfinite(grid)] = _EMPTY
+        block = np.repeat(np.repeat(colour, cell_height, axis=0), cell_width, axis=1)
+        pixels[top : top + grid_height, left : left + grid_width] = block
+        # One-pixel white lines between cells keep neighbouring equal colours apart.
+        pixels[top : top + grid_height, left : left + grid_width : cell_width] = _BACKGROUND
+        pixels[top : top + grid_height : cell_height, left : left + grid_width] = _BACKGROUND
+        xs = left + np.arange(columns) * cell_width
+        ys = top + np.arange(rows) * cell_height
+        cells[..., 0], cells[..., 1] = xs[None, :], ys[:, None]
+        cells[..., 2], cells[..., 3] = xs[None, :] + cell_width, ys[:, None] + cell_height
+    bar_left, bar_right = left, left + max(grid_width, 200)
+    bar_right = min(bar_right, width - margin)
+    ramp = palette[np.linspace(0, 255, bar_right - bar_left).round().astype(np.intp)]
+    pixels[bar_top : bar_top + bar_height, bar_left:bar_right] = ramp[None, :, :]
+
+    _put(pixels, title, big, margin, margin, "lt", _INK)
+    _put(pixels, row_title, text, left - 8, top - 6, "rb", _INK)
+    for row, name in enumerate(row_labels):
+        _put(pixels, name, text, left - 8, top + row * cell_height + cell_height // 2, "rm", _INK)
+    for column in range(0, columns, stride):
+        x = left + column * cell_width + cell_width // 2
+        _put(pixels, column_labels[column], small, x, top + grid_height + 6, "mt", _INK)
+    _put(pixels, column_title, text, left + grid_width // 2, top + grid_height + 6 + 14 + 6, "mt", _INK)
+    if values:
+        shade = palette.astype(np.float64) @ np.array([0.299, 0.587, 0.114])
+        index = _colour_index(grid, limits)
+        for row in range(rows):
+            for column in range(columns):
+                value = grid[row, column]
+                if not np.isfinite(value):
+                    continue
+                ink = (0, 0, 0) if shade[index[row, column]] > 140 else (255, 255, 255)
+                x = left + column * cell_width + cell_width // 2
+                _put(pixels, f"{value:.2f}", small, x, top + row * cell_height + cell_height // 2, "mm", ink)
+    low, high = limits
+    for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
+        x = bar_left + round(fraction * (bar_right - bar_left - 1))
+        pixels[bar_top + bar_height : bar_top + bar_height + 4, x] = _INK
+        anchor = "lt" if fraction == 0.0 else "rt" if fraction == 1.0 else "mt"
+        _put(pixels, f"{low + fraction * (high - low):g}", small, x, bar_top + bar_height + 6, anchor, _INK)
+    _put(pixels, label, text, bar_left, bar_top + bar_height + 6 + 14 + 6, "lt", _INK)
+    pixels.flags.writeable = False
+    return Picture(pixels=pixels, grid=grid, cells=cells, limits=(float(low), float(high)), colours=colours)
+
+
+def median_grid(summary: EntropySummary) -> np.ndarray:
+    """(layers, heads) median normalised entropy of each head: what :func:`heatmap_picture` shows.
+
+    Heads a layer does not have, or with no counted query, are NaN.
+    """
+    grid: np.ndarray = summary.quantile(0.5).numpy().astype(np.float64)
+    counted = summary.count.numpy() > 0
+    grid[~counted] = np.nan
+    return grid
+
+
+def heatmap_picture(summary: EntropySummary, *, title: str | None = None, grid: np.ndarray | None = None) -> Picture:
+    """Layer x head picture of each head's median normalised entropy.
+
+    ``grid`` is :func:`median_grid` of ``summary``, computed here unless given.
+    """
+    grid = median_grid(summary) if grid is None else grid
+    return grid_picture(
+        grid,
+        list(summary.layers),
+        [str(h) for h in range(grid.shape[1])],
+        title=title or "Median normalised attention entropy per head",
+        label="median normalised entropy: 0 = one key, 1 = uniform",
+        row_title="layer",
+        column_title="head",
+    )
+
+
+def history_picture(layer: str, steps: Sequence[int], medians: np.ndarray) -> Picture:
+    """Head x validation picture of one layer: how each head's median moved over training.
+
+    Args:
+        layer: the layer's name (in the title).
+        steps: the step of each monitored validation (column labels).
+        medians: (heads, validations) medians, NaN where a head had no counted query.
+    """
+    return grid_picture(
+        medians,
+        [f"head {h}" for h in range(medians.shape[0])],
+        [str(step) for step in steps],
+        title=f"{layer}: median normalised entropy of each head over training",
+        label="median normalised entropy: 0 = one key, 1 = uniform",
+        row_title="",
+        column_title="step of the monitored validation",
+        values=medians.shape[0] <= 16 and len(steps) <= 12,
+    )

@@ -1,31 +1,130 @@
-"""Logger adapters: scalars everywhere, histograms and the heatmap where they can be shown.
+"""Logger adapters: scalars everywhere, charts, histograms and pictures where they can be shown.
 
-Every logger gets the scalars of :meth:`EntropySummary.to_dict` through
-``log_metrics``. TensorBoard also gets one histogram per layer, written with
-``add_histogram_raw`` from the metric's own bins, and the heatmap figure;
-Weights & Biases gets ``wandb.Histogram(np_histogram=...)`` per layer and the
-heatmap as an image, through the Lightning logger so its step axis is the
-trainer's. Other loggers get the scalars and one warning. The pictures
-themselves are drawn in :mod:`attn_monitor.figures`.
+Scalar names follow one rule (:func:`group_heads`): per-layer statistics stay
+in their family's group (``attn_entropy/{layer}/q50``), per-head values move
+to ``{family}_heads/{layer}/head_{h}/{stat}``, so the main group stays short
+however many heads a model has. Inside Lightning the callback logs the
+scalars with ``LightningModule.log`` (they reach ``trainer.callback_metrics``
+and every logger at the step of the module's own validation metrics); the
+rest is written here by :class:`Dashboards` at that same step:
+
+* TensorBoard: one histogram per layer (``add_histogram_raw`` from the
+  metric's own bins), the heatmap and, per layer, the heads-over-training
+  picture as images, and a Custom Scalars layout with one margin chart (the
+  median with its quantile band) and one multi-line chart of the heads per
+  layer;
+* Weights & Biases: ``wandb.Histogram(np_histogram=...)`` per layer, the
+  pictures as images and, per layer, one line chart with a line per head
+  (``wandb.plot.line_series``); alerts also go to ``run.alert``;
+* other loggers: the scalars and one warning.
+
+The pictures themselves are drawn in :mod:`attn_monitor.figures`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from attn_monitor.figures import figure_to_array, heatmap_figure
+from attn_monitor.figures import Picture, heatmap_picture, history_picture, median_grid
 from attn_monitor.functional import coarsen
-from attn_monitor.metric import EntropySummary
+from attn_monitor.metric import EntropySummary, _quantile_name
 from attn_monitor.shared import WarnOnce, check_int
 
-__all__ = ["WANDB_MAX_BINS", "LogOptions", "log_summary", "logger_kind"]
+__all__ = [
+    "WANDB_MAX_BINS",
+    "Dashboards",
+    "LogOptions",
+    "group_heads",
+    "head_group",
+    "log_summary",
+    "logger_kind",
+    "send_alert",
+    "summary_scalars",
+    "tensorboard_layout",
+]
 
 #: W&B keeps at most this many histogram bins and silently drops the rest.
 WANDB_MAX_BINS = 512
+
+#: ``{family}/{layer...}/head_{h}/{stat...}``: a per-head value of a statistic family.
+_PER_HEAD = re.compile(r"^(?P<family>[^/]+)/(?P<rest>(?:.+/)?head_\d+/.+)$")
+#: ``{family}_heads/{layer}/head_{h}/{stat}{suffix}``, as :func:`head_group` writes it.
+_GROUPED = re.compile(r"^(?P<family>[^/]+)_heads/(?P<layer>.+)/head_(?P<head>\d+)/(?P<stat>[^/]+)(?P<suffix>/.*)?$")
+
+
+def head_group(name: str) -> str:
+    """The name a scalar is logged under: per-head values go to their family's ``_heads`` group.
+
+    ``{family}/{layer}/head_{h}/{stat}`` becomes
+    ``{family}_heads/{layer}/head_{h}/{stat}``, for every family (entropy,
+    the mass diagnostics, any statistic with per-head values); names already
+    in a ``_heads`` group and names without a ``head_{h}`` component are
+    returned unchanged.
+
+    Example:
+        >>> head_group("attn_entropy/blocks.0.attn/head_3/q50")
+        'attn_entropy_heads/blocks.0.attn/head_3/q50'
+        >>> head_group("attn_entropy/blocks.0.attn/q50")
+        'attn_entropy/blocks.0.attn/q50'
+        >>> head_group("attn_max_logit_heads/blocks.0.attn/head_1/max")
+        'attn_max_logit_heads/blocks.0.attn/head_1/max'
+    """
+    match = _PER_HEAD.match(name)
+    if match is None or match["family"].endswith("_heads"):
+        return name
+    return f"{match['family']}_heads/{match['rest']}"
+
+
+def group_heads(scalars: Mapping[str, float]) -> dict[str, float]:
+    """``scalars`` renamed by :func:`head_group`, in the same order.
+
+    Raises:
+        ValueError: two names land on one (a family already logging under a ``_heads`` name twice).
+    """
+    out: dict[str, float] = {}
+    for name, value in scalars.items():
+        grouped = head_group(name)
+        if grouped in out:
+            raise ValueError(f"Two scalars would be logged as {grouped!r}; one of them is {name!r}.")
+        out[grouped] = value
+    return out
+
+
+def summary_scalars(
+    summary: EntropySummary,
+    *,
+    prefix: str = "attn_entropy",
+    quantiles: Sequence[float] = (0.05, 0.25, 0.5, 0.75, 0.95),
+    per_head: bool = True,
+    extra_scalars: Mapping[str, float] | None = None,
+    suffix: str = "",
+) -> dict[str, float]:
+    """The scalar names and values logged for ``summary`` (the naming table in the README).
+
+    :meth:`EntropySummary.to_dict` and ``extra_scalars``, per-head values moved
+    by :func:`head_group`, ``suffix`` appended to every name.
+
+    Example:
+        >>> import math, torch
+        >>> from attn_monitor import AttentionEntropy
+        >>> metric = AttentionEntropy(num_bins=100)
+        >>> metric.update("blocks.0.attn", torch.full((1, 2, 4), 0.5 * math.log(8.0)), torch.tensor(8))
+        >>> names = sorted(summary_scalars(metric.compute(), quantiles=(0.5,)))
+        >>> [name for name in names if "head_" in name]  # doctest: +NORMALIZE_WHITESPACE
+        ['attn_entropy_heads/blocks.0.attn/head_0/mean', 'attn_entropy_heads/blocks.0.attn/head_0/q50',
+         'attn_entropy_heads/blocks.0.attn/head_1/mean', 'attn_entropy_heads/blocks.0.attn/head_1/q50']
+        >>> [name for name in names if "head_" not in name]  # doctest: +NORMALIZE_WHITESPACE
+        ['attn_entropy/blocks.0.attn/mean', 'attn_entropy/blocks.0.attn/mean_seq',
+         'attn_entropy/blocks.0.attn/nats_mean', 'attn_entropy/blocks.0.attn/q50', 'attn_entropy/mean']
+    """
+    scalars = summary.to_dict(prefix, quantiles=quantiles, per_head=per_head)
+    scalars.update(extra_scalars or {})
+    return {name + suffix: value for name, value in group_heads(scalars).items()}
 
 
 def _tensorboard_histograms(
@@ -81,6 +180,237 @@ def logger_kind(logger: Any) -> str:
 _SCALARS_ONLY = WarnOnce()
 
 
+def _band(quantiles: Sequence[float]) -> tuple[str, str] | None:
+    """The quantile pair drawn as the band around the median: q25-q75, else q05-q95."""
+    names = {_quantile_name(q) for q in quantiles}
+    for pair in (("q25", "q75"), ("q05", "q95")):
+        if set(pair) <= names:
+            return pair
+    return None
+
+
+def tensorboard_layout(
+    names: Iterable[str], *, prefix: str = "attn_entropy", quantiles: Sequence[float] = (0.25, 0.5, 0.75)
+) -> dict[str, dict[str, list[Any]]]:
+    """TensorBoard Custom Scalars layout for the logged ``names``: one chart per layer, per-head lines together.
+
+    Categories, in order, for each dataloader suffix found in ``names``:
+
+    * ``{prefix}``: a multi-line chart of every layer's mean;
+    * ``{prefix} · {layer}`` for each layer (in natural order: ``h.2`` before
+      ``h.10``): a margin chart of its median with the q25-q75 band (q05-q95
+      when q25/q75 are not logged) and a multi-line chart of its heads' medians;
+    * ``{family}_heads`` for every other family with per-head values: per
+      layer, a multi-line chart of its heads (``q50`` where logged, else the
+      first statistic).
+
+    Returns:
+        ``{category: {chart title: ["Margin" | "Multiline", tags]}}`` for
+        ``SummaryWriter.add_custom_scalars`` (multi-line tags are regular
+        expressions).
+
+    Example:
+        >>> layout = tensorboard_layout(
+        ...     [
+        ...         "attn_entropy/mean",
+        ...         "attn_entropy/h.0/q50",
+        ...         "attn_entropy/h.0/q25",
+        ...         "attn_entropy/h.0/q75",
+        ...         "attn_entropy_heads/h.0/head_0/q50",
+        ...     ]
+        ... )
+        >>> list(layout)
+        ['attn_entropy', 'attn_entropy · h.0']
+        >>> layout["attn_entropy · h.0"]["h.0 · median, q25-q75 band"]
+        ['Margin', ['attn_entropy/h.0/q50', 'attn_entropy/h.0/q25', 'attn_entropy/h.0/q75']]
+        >>> kind, (pattern,) = layout["attn_entropy · h.0"]["h.0 · median of each head"]
+        >>> print(kind, pattern)
+        Multiline ^attn_entropy_heads/h\\.0/head_\\d+/q50$
+    """
+    names = set(names)
+    band = _band(quantiles)
+    # (family, suffix) -> layer -> statistics logged per head
+    heads: dict[tuple[str, str], dict[str, set[str]]] = {}
+    for name in sorted(names):
+        match = _GROUPED.match(name)
+        if match is not None:
+            key = (match["family"], match["suffix"] or "")
+            heads.setdefault(key, {}).setdefault(match["layer"], set()).add(match["stat"])
+    overall = re.compile(f"^{re.escape(prefix)}/mean(?P<suffix>/dataloader_idx_\\d+)?$")
+    suffixes = sorted(
+        {suffix for family, suffix in heads if family == prefix}
+        | {match["suffix"] or "" for match in map(overall.match, names) if match is not None}
+    )
+    layout: dict[str, dict[str, list[Any]]] = {}
+    for suffix in suffixes:
+        end = re.escape(suffix) + "$"
+        layout[prefix + suffix] = {"all layers · mean": ["Multiline", [f"^{re.escape(prefix)}/[^/]+/mean{end}"]]}
+        layers = sorted(
+            {
+                name[len(prefix) + 1 : -len(f"/q50{suffix}")]
+                for name in names
+                if name.startswith(prefix + "/") and name.endswith(f"/q50{suffix}")
+            },
+            key=_natural,
+        )
+        for layer in layers:
+            charts: dict[str, list[Any]] = {}
+            if band is not None:
+                tags = [f"{prefix}/{layer}/{q}{suffix}" for q in ("q50", *band)]
+                if all(tag in names for tag in tags):
+                    charts[f"{layer} · median, {band[0]}-{band[1]} band"] = ["Margin", tags]
+            stats = heads.get((prefix, suffix), {}).get(layer)
+            if stats:
+                stat = "q50" if "q50" in stats else sorted(stats)[0]
+                label = "median" if stat == "q50" else stat
+                pattern = f"^{re.escape(prefix)}_heads/{re.escape(layer)}/head_\\d+/{stat}{end}"
+                charts[f"{layer} · {label} of each head"] = ["Multiline", [pattern]]
+            layout[f"{prefix}{suffix} · {layer}"] = charts
+    for (family, suffix), per_layer in sorted(heads.items()):
+        if family == prefix:
+            continue
+        end = re.escape(suffix) + "$"
+        charts = {}
+        for layer in sorted(per_layer, key=_natural):
+            stats = per_layer[layer]
+            stat = "q50" if "q50" in stats else sorted(stats)[0]
+            pattern = f"^{re.escape(family)}_heads/{re.escape(layer)}/head_\\d+/{stat}{end}"
+            charts[f"{layer} · {stat} of each head"] = ["Multiline", [pattern]]
+        layout[f"{family}_heads{suffix}"] = charts
+    return layout
+
+
+def _natural(name: str) -> list[Any]:
+    """Sort key that puts ``h.2`` before ``h.10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def send_alert(loggers: Iterable[Any], title: str, text: str) -> None:
+    """Send ``text`` as a W&B alert (``run.alert``, level WARN) to every attached W&B logger."""
+    for logger in loggers:
+        if logger_kind(logger) == "wandb":
+            logger.experiment.alert(title=title, text=text, level="WARN")
+
+
+class Dashboards:
+    """Everything but scalars: histograms, pictures, chart layouts, with the history they need.
+
+    One object per monitor (and prefix): it remembers each head's median at
+    every monitored validation, for the heads-over-training pictures and the
+    W&B per-head charts, and which Custom Scalars layout each TensorBoard
+    writer holds. Write at the step Lightning logs the scalars at, so every
+    view of one validation lines up.
+
+    Args:
+        options: what to draw (histogram bins, heatmap, quantiles).
+    """
+
+    def __init__(self, options: LogOptions) -> None:
+        self.options = options
+        #: (prefix, suffix) -> steps and, per step, layer -> (heads,) medians.
+        self.history: dict[tuple[str, str], list[tuple[int, dict[str, np.ndarray]]]] = {}
+        self._layouts: dict[int, dict[str, dict[str, list[Any]]]] = {}
+
+    def remember(
+        self, summary: EntropySummary, step: int, *, prefix: str, suffix: str = "", grid: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Add ``summary``'s per-head medians at ``step`` to the history (a repeated step replaces its entry).
+
+        Returns:
+            The (layers, heads) medians (:func:`~attn_monitor.figures.median_grid`, or ``grid`` when given).
+        """
+        grid = median_grid(summary) if grid is None else grid
+        entry = {layer: grid[index, : summary.num_heads[index]] for index, layer in enumerate(summary.layers)}
+        history = self.history.setdefault((prefix, suffix), [])
+        if history and history[-1][0] == step:
+            history.pop()
+        history.append((step, entry))
+        return grid
+
+    def medians_over_time(self, layer: str, *, prefix: str, suffix: str = "") -> tuple[list[int], np.ndarray]:
+        """Steps and the (heads, steps) medians of ``layer`` (NaN where it was not seen)."""
+        history = [(step, entry) for step, entry in self.history.get((prefix, suffix), []) if layer in entry]
+        steps = [step for step, _ in history]
+        heads = max((len(entry[layer]) for _, entry in history), default=0)
+        medians = np.full((heads, len(history)), np.nan)
+        for column, (_, entry) in enumerate(history):
+            medians[: len(entry[layer]), column] = entry[layer]
+        return steps, medians
+
+    def write(
+        self,
+        loggers: Iterable[Any],
+        summary: EntropySummary,
+        step: int,
+        *,
+        scalar_names: Iterable[str] = (),
+        prefix: str | None = None,
+        suffix: str = "",
+    ) -> None:
+        """Write histograms, pictures, the TensorBoard layout and the W&B charts of ``summary`` at ``step``.
+
+        Args:
+            loggers: Lightning loggers (``trainer.loggers``).
+            summary: what to show.
+            step: the step the scalars of this summary are logged at.
+            scalar_names: every scalar name logged with it (for the Custom Scalars layout).
+            prefix: first component of every name (default: the options' prefix).
+            suffix: appended to every name (``"/dataloader_idx_1"``).
+        """
+        options = self.options
+        prefix = options.prefix if prefix is None else prefix
+        grid = self.remember(summary, step, prefix=prefix, suffix=suffix)
+        loggers = [logger for logger in loggers if logger_kind(logger) != "other"]
+        if not loggers or not summary.layers:
+            return
+        pictures: dict[str, Picture] = {}
+        if options.heatmap:
+            pictures[f"{prefix}/heatmap{suffix}"] = heatmap_picture(summary, grid=grid)
+            for layer in summary.layers:
+                steps, medians = self.medians_over_time(layer, prefix=prefix, suffix=suffix)
+                pictures[f"{prefix}_heads/{layer}/over_training{suffix}"] = history_picture(layer, steps, medians)
+        names = list(scalar_names)
+        for logger in loggers:
+            if logger_kind(logger) == "tensorboard":
+                writer = logger.experiment
+                if options.histogram_bins:
+                    _tensorboard_histograms(writer, summary, prefix, options.histogram_bins, step, suffix)
+                for tag, picture in pictures.items():
+                    writer.add_image(tag, picture.pixels, global_step=step, dataformats="HWC")
+                self._write_layout(writer, names, prefix)
+            else:
+                payload = (
+                    _wandb_histograms(summary, prefix, options.histogram_bins, suffix) if options.histogram_bins else {}
+                )
+                import wandb
+
+                for tag, picture in pictures.items():
+                    payload[tag] = wandb.Image(picture.pixels)
+                for layer in summary.layers:
+                    payload[f"{prefix}_heads/{layer}/chart{suffix}"] = self._wandb_chart(layer, prefix, suffix)
+                logger.log_metrics(payload, step=step)
+
+    def _write_layout(self, writer: Any, names: list[str], prefix: str) -> None:
+        known = self._layouts.setdefault(id(writer), {})
+        layout = tensorboard_layout(names, prefix=prefix, quantiles=self.options.quantiles)
+        merged = {**known, **layout}
+        if merged != known:
+            self._layouts[id(writer)] = merged
+            writer.add_custom_scalars(merged)
+
+    def _wandb_chart(self, layer: str, prefix: str, suffix: str) -> Any:
+        import wandb
+
+        steps, medians = self.medians_over_time(layer, prefix=prefix, suffix=suffix)
+        return wandb.plot.line_series(
+            xs=steps,
+            ys=[[None if np.isnan(v) else float(v) for v in row] for row in medians],
+            keys=[f"head {h}" for h in range(len(medians))],
+            title=f"{layer}{suffix}: median normalised entropy of each head",
+            xname="trainer/global_step",
+        )
+
+
 def log_summary(
     loggers: Iterable[Any],
     summary: EntropySummary,
@@ -93,57 +423,57 @@ def log_summary(
     heatmap: bool = True,
     extra_scalars: dict[str, float] | None = None,
     suffix: str = "",
+    dashboards: Dashboards | None = None,
 ) -> dict[str, float]:
-    """Write ``summary`` to every logger; returns the scalars written.
+    """Write ``summary`` to every logger, scalars included; returns the scalars written.
+
+    For use outside a Lightning validation (the monitor logs its validation
+    scalars through ``LightningModule.log`` instead).
 
     Args:
         loggers: Lightning loggers (``trainer.loggers``).
         summary: what to log.
-        step: the step to log at (``trainer.global_step``).
+        step: the step to log at.
         prefix: first component of every name.
         quantiles: quantile levels logged per layer.
-        per_head: also log per-head mean and median.
+        per_head: also log per-head mean and median (under ``{prefix}_heads/``).
         histogram_bins: bins of the logged histograms (None: no histograms);
             must divide the metric's bins.
-        heatmap: log the layer x head median heatmap.
+        heatmap: log the layer x head median heatmap and the heads-over-training pictures.
         extra_scalars: further scalars to log with the same step.
-        suffix: appended to every name, histograms and heatmap included
+        suffix: appended to every name, histograms and pictures included
             (``"/dataloader_idx_1"`` keeps validation dataloaders apart, as
             Lightning's ``self.log`` does).
+        dashboards: keeps the history across calls (default: a new one, no history).
     """
-    scalars = summary.to_dict(prefix, quantiles=quantiles, per_head=per_head)
-    scalars.update(extra_scalars or {})
-    scalars = {name + suffix: value for name, value in scalars.items()}
-    figure = None
+    loggers = list(loggers)
+    scalars = summary_scalars(
+        summary, prefix=prefix, quantiles=quantiles, per_head=per_head, extra_scalars=extra_scalars, suffix=suffix
+    )
     for logger in loggers:
         logger.log_metrics(scalars, step=step)
-        kind = logger_kind(logger)
-        if kind == "other":
-            name = type(logger).__name__
-            if histogram_bins or heatmap:
-                _SCALARS_ONLY(
-                    name,
-                    f"attn_monitor: {name} gets the entropy scalars only; histograms and the heatmap are written "
-                    "to TensorBoard and W&B loggers.",
-                )
-            continue
-        if heatmap and figure is None and summary.layers:
-            figure = heatmap_figure(summary)
-        if kind == "tensorboard":
-            writer = logger.experiment
-            if histogram_bins:
-                _tensorboard_histograms(writer, summary, prefix, histogram_bins, step, suffix)
-            if figure is not None:
-                writer.add_figure(f"{prefix}/heatmap{suffix}", figure, global_step=step, close=False)
-        else:
-            payload = _wandb_histograms(summary, prefix, histogram_bins, suffix) if histogram_bins else {}
-            if figure is not None:
-                import wandb
-
-                payload[f"{prefix}/heatmap{suffix}"] = wandb.Image(figure_to_array(figure))
-            if payload:
-                logger.log_metrics(payload, step=step)
+    warn_scalars_only(loggers, histogram_bins is not None or heatmap)
+    if dashboards is None:
+        options = LogOptions(
+            prefix=prefix, quantiles=quantiles, per_head=per_head, histogram_bins=histogram_bins, heatmap=heatmap
+        )
+        dashboards = Dashboards(options)
+    dashboards.write(loggers, summary, step, scalar_names=scalars, prefix=prefix, suffix=suffix)
     return scalars
+
+
+def warn_scalars_only(loggers: Iterable[Any], pictures: bool) -> None:
+    """Tell each logger kind that is neither TensorBoard nor W&B, once, that it gets scalars only."""
+    if not pictures:
+        return
+    for logger in loggers:
+        if logger_kind(logger) == "other":
+            name = type(logger).__name__
+            _SCALARS_ONLY(
+                name,
+                f"attn_monitor: {name} gets the entropy scalars only; histograms, charts and pictures are written "
+                "to TensorBoard and W&B loggers.",
+            )
 
 
 @dataclass(frozen=True)
@@ -206,6 +536,7 @@ class LogOptions:
         prefix: str | None = None,
         extra_scalars: dict[str, float] | None = None,
         suffix: str = "",
+        dashboards: Dashboards | None = None,
     ) -> dict[str, float]:
         """:func:`log_summary` with these options (``prefix`` overrides :attr:`prefix`)."""
         return log_summary(
@@ -217,6 +548,20 @@ class LogOptions:
             per_head=self.per_head,
             histogram_bins=self.histogram_bins,
             heatmap=self.heatmap,
+            extra_scalars=extra_scalars,
+            suffix=suffix,
+            dashboards=dashboards,
+        )
+
+    def scalars(
+        self, summary: EntropySummary, *, extra_scalars: Mapping[str, float] | None = None, suffix: str = ""
+    ) -> dict[str, float]:
+        """:func:`summary_scalars` with these options."""
+        return summary_scalars(
+            summary,
+            prefix=self.prefix,
+            quantiles=self.quantiles,
+            per_head=self.per_head,
             extra_scalars=extra_scalars,
             suffix=suffix,
         )

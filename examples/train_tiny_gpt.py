@@ -32,10 +32,12 @@ The story, in three steps:
 same two validation batches after every epoch and logs it to TensorBoard (and
 to W&B, offline, with ``--wandb``). At the end the script prints how each
 layer's mean entropy changed, the sharpest head of each layer, each head's
-mean attention distance and the copy accuracy, and saves the layer x head heatmaps of the first and last epoch::
+mean attention distance and the copy accuracy, and saves the layer x head
+heatmaps of the first and last epoch and each layer's heads-over-training
+picture under ``runs/pictures``::
 
-    python examples/train_tiny_gpt.py    # about a minute on 2 CPU cores
-    tensorboard --logdir runs
+    .venv/bin/python examples/train_tiny_gpt.py    # about a minute on 2 CPU cores
+    .venv/bin/tensorboard --logdir runs            # Custom Scalars: one chart per layer
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from typing_extensions import override
 
 from attn_monitor.callback import AttentionEntropyMonitor
 from attn_monitor.capture import evaluate_attention
-from attn_monitor.figures import save_heatmap
+from attn_monitor.figures import history_picture, save_heatmap
 from attn_monitor.head_stats import StatisticsSummary, StatisticsUpdate
 from attn_monitor.metric import EntropySummary
 
@@ -230,7 +232,6 @@ class History(pl.Callback):
         self.summaries: list[EntropySummary] = []
         self.accuracies: list[float] = []
         self.epochs: list[int] = []
-        self.steps: list[int] = []
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -242,7 +243,6 @@ class History(pl.Callback):
         self.summaries.append(summary)
         self.accuracies.append(accuracy)
         self.epochs.append(trainer.current_epoch)
-        self.steps.append(trainer.global_step)
         means = "  ".join(
             f"{layer}={mean:.3f}" for layer, mean in zip(summary.layers, summary.layer_mean.tolist(), strict=True)
         )
@@ -301,7 +301,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=10, help="training epochs (default: %(default)s)")
     parser.add_argument("--logdir", default="runs", help="TensorBoard (and W&B) log directory (default: %(default)s)")
     parser.add_argument("--wandb", action="store_true", help="also log to Weights & Biases, offline")
-    parser.add_argument("--out", default="docs", help="where to write the heatmaps (default: %(default)s)")
+    parser.add_argument(
+        "--out", default=os.path.join("runs", "pictures"), help="where to write the pictures (default: %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     return parser.parse_args()
 
@@ -357,13 +359,19 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for index, name in ((0, "heatmap_epoch0.png"), (-1, "heatmap.png")):
-        title = f"Epoch {history.epochs[index]} (step {history.steps[index]}): median normalised attention entropy"
+        title = f"Epoch {history.epochs[index]}: median normalised attention entropy per head"
         save_heatmap(history.summaries[index], str(out / name), title=title)
-    print(f"Heatmaps: {out / 'heatmap_epoch0.png'} (first epoch), {out / 'heatmap.png'} (last epoch)")
+    from PIL import Image
+
+    for layer in history.summaries[-1].layers:
+        steps, medians = monitor.dashboards.medians_over_time(layer, prefix=monitor.options.prefix)
+        Image.fromarray(history_picture(layer, steps, medians).pixels).save(out / f"over_training_{layer}.png")
+    print(f"Pictures: {out}/heatmap_epoch0.png (first epoch), heatmap.png (last), over_training_<layer>.png")
     print(f"TensorBoard logs: {loggers[0].log_dir}")
-    print(f"  open them with:  tensorboard --logdir {args.logdir}")
+    print(f"  open them with:  .venv/bin/tensorboard --logdir {args.logdir}   (then http://localhost:6006)")
     if args.wandb:
-        print(f"W&B offline run: {Path(args.logdir) / 'wandb'}  (upload later with `wandb sync`)")
+        print(f"W&B offline run: {Path(args.logdir) / 'wandb'}")
+        print(f"  upload it with:  .venv/bin/wandb sync {Path(args.logdir) / 'wandb'}/offline-run-*")
     print(f"Finished in {time.perf_counter() - start:.0f} s.")
 
 

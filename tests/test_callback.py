@@ -155,7 +155,7 @@ def expected_names(layers: list[str], heads: int = lm.HEADS, prefix: str = PREFI
         base = f"{prefix}/{layer}"
         names |= {f"{base}/mean", f"{base}/mean_seq", f"{base}/nats_mean"}
         names |= {f"{base}/{q}" for q in QUANTILES}
-        names |= {f"{base}/head_{h}/{s}" for h in range(heads) for s in ("mean", "q50")}
+        names |= {f"{prefix}_heads/{layer}/head_{h}/{s}" for h in range(heads) for s in ("mean", "q50")}
     return names
 
 
@@ -186,8 +186,8 @@ def check_against_reference(scalars: dict[str, float], samples: dict[str, Sample
             quantile(f"{base}/{name}", s.normalized, q)
         for h in range(lm.HEADS):
             values = s.normalized[s.head == h]
-            close(f"{base}/head_{h}/mean", float(values.mean()))
-            quantile(f"{base}/head_{h}/q50", values, 0.5)
+            close(f"{prefix}_heads/{layer}/head_{h}/mean", float(values.mean()))
+            quantile(f"{prefix}_heads/{layer}/head_{h}/q50", values, 0.5)
     everything = torch.cat([s.normalized for s in samples.values()])
     close(f"{prefix}/mean", float(everything.mean()))
     assert not problems, "\n".join(problems)
@@ -336,10 +336,20 @@ def read_tensorboard(log_dir: str) -> Any:
     return accumulator
 
 
+def in_family(name: str, prefix: str = PREFIX) -> bool:
+    """``name`` is one of ``prefix``'s scalars: its per-layer group or its per-head group."""
+    return name.startswith((prefix + "/", prefix + "_heads/"))
+
+
+def logged_step(validation: dict[str, Any]) -> int:
+    """The step Lightning logs a validation's metrics at: the batches stepped before the last one."""
+    return int(validation["step"]) - 1
+
+
 def tb_scalars_at(accumulator: Any, step: int, prefix: str = PREFIX) -> dict[str, float]:
     out = {}
     for tag in accumulator.Tags()["scalars"]:
-        if tag.startswith(prefix + "/"):
+        if in_family(tag, prefix):
             values = [e.value for e in accumulator.Scalars(tag) if e.step == step]
             if values:
                 assert len(values) == 1, (tag, step, values)
@@ -423,9 +433,10 @@ def test_validation_steps_are_global_step_at_each_validation_end(gpt_run: Run) -
 
 def test_tensorboard_scalar_names_and_steps(gpt_run: Run) -> None:
     accumulator = read_tensorboard(gpt_run.tensorboard_dir)
-    tags = {t for t in accumulator.Tags()["scalars"] if t.startswith(PREFIX + "/")}
+    tags = {t for t in accumulator.Tags()["scalars"] if in_family(t)}
     assert tags == expected_names(lm.GPT_LAYERS)
-    steps = [v["step"] for v in gpt_run.recorder.validations]
+    steps = [logged_step(v) for v in gpt_run.recorder.validations]
+    assert [e.step for e in accumulator.Scalars("val_loss")] == steps  # the module's own metric
     for tag in tags:
         assert [e.step for e in accumulator.Scalars(tag)] == steps, tag
 
@@ -433,7 +444,7 @@ def test_tensorboard_scalar_names_and_steps(gpt_run: Run) -> None:
 def test_tensorboard_values_match_reference(gpt_run: Run) -> None:
     accumulator = read_tensorboard(gpt_run.tensorboard_dir)
     for validation, samples in zip(gpt_run.recorder.validations, gpt_run.references, strict=True):
-        check_against_reference(tb_scalars_at(accumulator, validation["step"]), samples)
+        check_against_reference(tb_scalars_at(accumulator, logged_step(validation)), samples)
 
 
 def test_tensorboard_histograms_one_per_layer(gpt_run: Run) -> None:
@@ -442,7 +453,7 @@ def test_tensorboard_histograms_one_per_layer(gpt_run: Run) -> None:
     assert tags == {f"{PREFIX}/{layer}/hist" for layer in lm.GPT_LAYERS}
     for validation, samples in zip(gpt_run.recorder.validations, gpt_run.references, strict=True):
         for layer in lm.GPT_LAYERS:
-            events = [e for e in accumulator.Histograms(f"{PREFIX}/{layer}/hist") if e.step == validation["step"]]
+            events = [e for e in accumulator.Histograms(f"{PREFIX}/{layer}/hist") if e.step == logged_step(validation)]
             assert len(events) == 1
             histogram = events[0].histogram_value
             values = samples[layer].normalized
@@ -457,7 +468,7 @@ def test_tensorboard_heatmap_image(gpt_run: Run) -> None:
     accumulator = read_tensorboard(gpt_run.tensorboard_dir)
     assert f"{PREFIX}/heatmap" in accumulator.Tags()["images"]
     events = accumulator.Images(f"{PREFIX}/heatmap")
-    assert [e.step for e in events] == [v["step"] for v in gpt_run.recorder.validations]
+    assert [e.step for e in events] == [logged_step(v) for v in gpt_run.recorder.validations]
     for event in events:
         assert event.encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n"
         assert event.width > 50 and event.height > 50
@@ -483,7 +494,7 @@ def test_only_the_first_batches_are_recorded(gpt_run: Run) -> None:
 def test_train_every_n_steps_values_match_reference(gpt_run: Run) -> None:
     """The k-th logged ``attn_entropy_train`` entry is the batch recorded at the k-th multiple of n."""
     accumulator = read_tensorboard(gpt_run.tensorboard_dir)
-    tags = {t for t in accumulator.Tags()["scalars"] if t.startswith(TRAIN_PREFIX + "/")}
+    tags = {t for t in accumulator.Tags()["scalars"] if in_family(t, TRAIN_PREFIX)}
     assert tags == expected_names(lm.GPT_LAYERS, prefix=TRAIN_PREFIX)
     histograms = {t for t in accumulator.Tags()["histograms"] if t.startswith(TRAIN_PREFIX + "/")}
     assert histograms == {f"{TRAIN_PREFIX}/{layer}/hist" for layer in lm.GPT_LAYERS}
@@ -495,21 +506,14 @@ def test_train_every_n_steps_values_match_reference(gpt_run: Run) -> None:
 
 
 def test_train_every_n_steps_logging_steps(gpt_run: Run) -> None:
-    """Batches recorded at global steps 0, 3, 6 are logged at ``trainer.global_step`` once their step is done.
-
-    That is the validation convention too (the step count when the value is
-    logged): 1, 4, 7. Lightning itself logs a training batch's ``self.log``
-    values one step earlier (``train_loss`` of the batch at global step s is
-    at step s), so in every logger ``attn_entropy_train`` sits one step after
-    the loss of the same batch; this test pins the current convention.
-    """
+    """Batches recorded at global steps 0, 3, 6 are logged at 0, 3, 6: the step of their own ``train_loss``."""
     _, rows = read_csv(gpt_run.csv_path)
     assert [int(r["step"]) for r in rows if r.get("train_loss")] == list(range(2 * TRAIN_BATCHES))
     entropy_steps = [int(r["step"]) for r in rows if r.get(f"{TRAIN_PREFIX}/mean")]
-    assert entropy_steps == [t["step"] + 1 for t in gpt_run.recorder.train] == [1, 4, 7]
+    assert entropy_steps == [t["step"] for t in gpt_run.recorder.train] == [0, 3, 6]
     accumulator = read_tensorboard(gpt_run.tensorboard_dir)
     for tag in expected_names(lm.GPT_LAYERS, prefix=TRAIN_PREFIX):
-        assert [e.step for e in accumulator.Scalars(tag)] == [1, 4, 7], tag
+        assert [e.step for e in accumulator.Scalars(tag)] == [0, 3, 6], tag
 
 
 # --------------------------------------------------------------------------- CSV and several loggers at once
@@ -521,11 +525,11 @@ def test_csv_logger_gets_the_scalars(gpt_run: Run) -> None:
     assert not any(c.endswith("/hist") or c.endswith("/heatmap") for c in columns)
     accumulator = read_tensorboard(gpt_run.tensorboard_dir)
     for validation, samples in zip(gpt_run.recorder.validations, gpt_run.references, strict=True):
-        matching = [r for r in rows if r.get(f"{PREFIX}/mean") and int(r["step"]) == validation["step"]]
+        matching = [r for r in rows if r.get(f"{PREFIX}/mean") and int(r["step"]) == logged_step(validation)]
         assert len(matching) == 1
         scalars = {name: float(matching[0][name]) for name in expected_names(lm.GPT_LAYERS)}
         check_against_reference(scalars, samples)
-        tensorboard = tb_scalars_at(accumulator, validation["step"])
+        tensorboard = tb_scalars_at(accumulator, logged_step(validation))
         assert scalars == pytest.approx(tensorboard, rel=1e-6, abs=1e-7)  # TB stores float32
 
 
@@ -536,24 +540,26 @@ def test_wandb_offline_run_history(gpt_run: Run) -> None:
     pytest.importorskip("wandb")
     assert gpt_run.wandb_file is not None, f"no .wandb file under {gpt_run.root}"
     rows = read_wandb_history(gpt_run.wandb_file)
-    steps = [v["step"] for v in gpt_run.recorder.validations]
+    steps = [logged_step(v) for v in gpt_run.recorder.validations]
     scalar_names = expected_names(lm.GPT_LAYERS)
     hist_names = {f"{PREFIX}/{layer}/hist" for layer in lm.GPT_LAYERS}
 
     # Every entropy row carries Lightning's step axis, and it is the global step of a validation run.
-    entropy_rows = [r for r in rows if any(k.startswith(PREFIX + "/") for k in r)]
+    entropy_rows = [r for r in rows if any(in_family(k) for k in r)]
     assert entropy_rows
     assert {r["trainer/global_step"] for r in entropy_rows} == set(steps)
 
     run_dir = Path(gpt_run.wandb_file).parent
     for validation, samples in zip(gpt_run.recorder.validations, gpt_run.references, strict=True):
-        at_step = [r for r in entropy_rows if r["trainer/global_step"] == validation["step"]]
+        at_step = [r for r in entropy_rows if r["trainer/global_step"] == logged_step(validation)]
         merged: dict[str, Any] = {}
         for row in at_step:
             assert not (set(row) & set(merged)) - {"trainer/global_step", "_step", "_runtime", "_timestamp"}
             merged.update(row)
-        names = {k for k in merged if k.startswith(PREFIX + "/")}
-        assert names == scalar_names | hist_names | {f"{PREFIX}/heatmap"}
+        names = {k for k in merged if in_family(k)}
+        pictures = {f"{PREFIX}/heatmap"} | {f"{PREFIX}_heads/{layer}/over_training" for layer in lm.GPT_LAYERS}
+        charts = {f"{PREFIX}_heads/{layer}/chart_table" for layer in lm.GPT_LAYERS}
+        assert names == scalar_names | hist_names | pictures | charts
         check_against_reference({k: merged[k] for k in scalar_names}, samples)
         for layer in lm.GPT_LAYERS:
             histogram = merged[f"{PREFIX}/{layer}/hist"]
@@ -591,16 +597,16 @@ def test_wandb_too_many_bins_raises_at_setup(tmp_path: Path, monkeypatch: pytest
 
 def test_hf_model_logged_values_match_eager_reference(hf_run: Run) -> None:
     accumulator = read_tensorboard(hf_run.tensorboard_dir)
-    tags = {t for t in accumulator.Tags()["scalars"] if t.startswith(PREFIX + "/")}
+    tags = {t for t in accumulator.Tags()["scalars"] if in_family(t)}
     assert tags == expected_names(lm.HF_LAYERS)
     assert {t for t in accumulator.Tags()["histograms"] if t.startswith(PREFIX)} == {
         f"{PREFIX}/{layer}/hist" for layer in lm.HF_LAYERS
     }
     steps = [v["step"] for v in hf_run.recorder.validations]
     assert steps == [2, 4]
-    assert [e.step for e in accumulator.Images(f"{PREFIX}/heatmap")] == steps
+    assert [e.step for e in accumulator.Images(f"{PREFIX}/heatmap")] == [step - 1 for step in steps]
     for validation, samples in zip(hf_run.recorder.validations, hf_run.references, strict=True):
-        check_against_reference(tb_scalars_at(accumulator, validation["step"]), samples)
+        check_against_reference(tb_scalars_at(accumulator, logged_step(validation)), samples)
     summary = hf_run.monitor.last_summary
     assert summary is not None and int(summary.count.sum()) == count_queries(hf_run.references[-1])
 
@@ -622,7 +628,7 @@ def test_hf_eager_model_inside_lightning_module_is_monitored(tmp_path: Path) -> 
     assert monitor.last_summary is not None, "nothing was captured from the eager HF model"
     assert monitor.last_summary.layers == lm.HF_LAYERS
     samples = hf_reference(model.state_dict(), val)
-    check_against_reference(monitor.last_summary.to_dict(PREFIX), samples)
+    check_against_reference(monitor.options.scalars(monitor.last_summary), samples)
 
 
 def test_hf_eager_model_with_module_option(tmp_path: Path) -> None:
@@ -638,7 +644,7 @@ def test_hf_eager_model_with_module_option(tmp_path: Path) -> None:
     names = [name.removeprefix("model.") for name in lm.HF_LAYERS]
     assert summary.layers == names
     samples = hf_reference(model.state_dict(), val)
-    check_against_reference(summary.to_dict(PREFIX), {n: samples[f"model.{n}"] for n in names})
+    check_against_reference(monitor.options.scalars(summary), {n: samples[f"model.{n}"] for n in names})
 
 
 # --------------------------------------------------------------------------- which batches
@@ -733,7 +739,7 @@ def test_every_n_epochs_logs_only_even_epochs(tmp_path: Path) -> None:
     logger, trainer, _, _ = _fit_memory(tmp_path, monitor, max_epochs=3, val_batches=2, extra_callbacks=[recorder])
     # 2 training batches per epoch: validation ends at global steps 2 (epoch 0), 4 (epoch 1), 6 (epoch 2).
     assert [(v["epoch"], v["step"]) for v in recorder.validations] == [(0, 2), (1, 4), (2, 6)]
-    assert logger.steps_of(f"{PREFIX}/mean") == [2, 6]
+    assert logger.steps_of(f"{PREFIX}/mean") == [1, 5]  # Lightning's step: one less than global_step
     assert trainer.current_epoch == 3
 
 
@@ -743,7 +749,7 @@ def test_sanity_check(tmp_path: Path, skip: bool) -> None:
     monitor = AttentionEntropyMonitor(histogram_bins=None, heatmap=False, **kwargs)
     logger, _, model, val = _fit_memory(tmp_path, monitor, max_epochs=1, val_batches=3, num_sanity_val_steps=2)
     steps = logger.steps_of(f"{PREFIX}/mean")
-    assert steps == ([2] if skip else [0, 2])
+    assert steps == ([1] if skip else [0, 1])
     want = _reference_means(model, val[:2])
     for means in _layer_means(logger):
         assert means == pytest.approx(want, abs=MEAN_TOL)
@@ -895,7 +901,7 @@ def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch:
     _, rows = read_csv(path)
     logged = [r for r in rows if r.get(f"{PREFIX}/mean")]
     assert len(logged) == 1
-    assert int(logged[0]["step"]) == 2  # 4 training items over 2 ranks
+    assert int(logged[0]["step"]) == 1  # 4 training items over 2 ranks: 2 steps, logged at the last one's
     scalars = {name: float(logged[0][name]) for name in expected_names(lm.GPT_LAYERS)}
     union = gpt_reference(state, val[:4])
     check_against_reference(scalars, union)
@@ -952,7 +958,7 @@ def test_two_monitors_in_one_trainer_fit_save_and_resume(tmp_path: Path) -> None
         for (prefix, indices), layer in zip(draws.items(), lm.GPT_LAYERS, strict=True):
             logged = [m for _, m in records if f"{prefix}/mean" in m]
             assert len(logged) == 1, prefix
-            assert {name.split("/")[1] for name in logged[0] if "/" in name} <= {layer, "mean"}
+            assert {name.split("/")[1] for name in logged[0] if name.startswith(prefix)} <= {layer, "mean"}
             samples = gpt_reference(model.state_dict(), [val[i] for i in indices])[layer]
             assert logged[0][f"{prefix}/{layer}/mean"] == pytest.approx(float(samples.normalized.mean()), abs=MEAN_TOL)
 
@@ -993,13 +999,17 @@ def test_two_validation_dataloaders_are_kept_apart(tmp_path: Path) -> None:
     trainer.fit(model, lm.loader(lm.make_batches(1, seed=10)), [lm.loader(in_domain), lm.loader(out_domain)])
 
     accumulator = read_tensorboard(tensorboard.log_dir)
-    scalars = {t for t in accumulator.Tags()["scalars"] if t.startswith(PREFIX + "/")}
+    scalars = {t for t in accumulator.Tags()["scalars"] if in_family(t)}
     want = {f"{name}/dataloader_idx_{i}" for name in expected_names(lm.GPT_LAYERS) for i in (0, 1)}
     assert scalars == want
     assert {t for t in accumulator.Tags()["histograms"] if t.startswith(PREFIX)} == {
         f"{PREFIX}/{layer}/hist/dataloader_idx_{i}" for layer in lm.GPT_LAYERS for i in (0, 1)
     }
-    assert set(accumulator.Tags()["images"]) == {f"{PREFIX}/heatmap/dataloader_idx_{i}" for i in (0, 1)}
+    assert set(accumulator.Tags()["images"]) == {
+        f"{family}/dataloader_idx_{i}"
+        for family in [f"{PREFIX}/heatmap", *(f"{PREFIX}_heads/{layer}/over_training" for layer in lm.GPT_LAYERS)]
+        for i in (0, 1)
+    }
     references = [gpt_reference(model.state_dict(), batches) for batches in (in_domain, out_domain)]
     for index, samples in enumerate(references):
         logged = {
