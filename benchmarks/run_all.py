@@ -10,6 +10,7 @@ Sections, in order (each one's failure is reported and the rest still run):
   cost in real models.
 * ``bench_stats``: per-head max logit and attention distance, as multiples
   of one SDPA forward.
+* ``bench_flex``: a FlexAttention forward recorded vs not, per ``score_mod``.
 * ``bench_monitor``: the Lightning callback's cost and the metric's DDP sync.
 
     .venv/bin/python benchmarks/run_all.py            # full run, writes benchmarks/REPORT.md
@@ -129,6 +130,12 @@ def main(argv: list[str] | None = None) -> str:
     def stats() -> str:
         return str(importlib.import_module("bench_stats").main(stats_argv))
 
+    flex_argv = ["--sizes", "256"] if args.quick else ["--sizes", "512", "1024"]
+    flex_argv += repeats
+
+    def flex() -> str:
+        return str(importlib.import_module("bench_flex").main(flex_argv))
+
     def monitor() -> str:
         return str(importlib.import_module("bench_monitor").main(monitor_argv))
 
@@ -143,6 +150,7 @@ def main(argv: list[str] | None = None) -> str:
     if (HERE / "bench_capture.py").exists():
         sections.append(("Capture in real models", f"benchmarks/bench_capture.py {' '.join(capture_argv)}", capture))
     sections.append(("Max logit and distance", f"benchmarks/bench_stats.py {' '.join(stats_argv)}", stats))
+    sections.append(("FlexAttention", f"benchmarks/bench_flex.py {' '.join(flex_argv)}", flex))
     sections.append(("Monitor in Lightning", f"benchmarks/bench_monitor.py {' '.join(monitor_argv)}", monitor))
 
     header = machine_lines(args.threads, args.monitor_threads)
