@@ -562,7 +562,9 @@ _last_recognised: tuple[weakref.ref[torch.UntypedStorage], tuple, int, _Structur
 def _recognise_once(attn_mask: Tensor, length: int) -> _Structure | None:
     """:func:`_recognise`, reusing the answer for the mask seen last if it was not modified since."""
     global _last_recognised
-    if torch.compiler.is_compiling():
+    # Inference tensors (Lightning validates under torch.inference_mode) keep no version
+    # counter: an in-place edit could not be seen, so their answer is not reused.
+    if torch.compiler.is_compiling() or attn_mask.is_inference():
         return _recognise(attn_mask, length)
     storage = attn_mask.untyped_storage()
     view = (attn_mask.storage_offset(), tuple(attn_mask.shape), attn_mask.stride(), attn_mask.dtype, length)

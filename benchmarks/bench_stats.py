@@ -1,7 +1,8 @@
 """Cost of the per-head statistics: max logit and attention distance vs one plain SDPA forward.
 
-Same inputs as ``bench_entropy`` (B=4, H=8, D=64, random q and k, causal or
-right-padded). Times are medians of interleaved repeats in one process,
+Same inputs as ``bench_entropy`` (B=4, H=8, D=64, random q and k; the
+mask families as models pass them: a causal flag, and a causal + padding
+dense mask). Times are medians of interleaved repeats in one process,
 reported as ratios to a plain SDPA forward on the same inputs; entropy
 (``method="auto"``) is timed alongside for comparison.
 
@@ -19,26 +20,27 @@ import torch
 from bench_entropy import BATCH, HEAD_DIM, HEADS, make_inputs, plain_sdpa
 from common import cpu_model
 
-from attn_monitor import Support, attention_distance, attention_max_logit, entropy_from_qk
+from attn_monitor import attention_distance, attention_max_logit, entropy_from_qk
 
-PATHS: dict[str, Callable[[torch.Tensor, torch.Tensor, Support], torch.Tensor]] = {
+Path = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", bool], torch.Tensor]
+PATHS: dict[str, Path] = {
     "sdpa": plain_sdpa,
-    "entropy": lambda q, k, s: entropy_from_qk(q, k, mask=s),
-    "max_logit": lambda q, k, s: attention_max_logit(q, k, mask=s),
-    "distance": lambda q, k, s: attention_distance(q, k, mask=s),
+    "entropy": lambda q, k, m, c: entropy_from_qk(q, k, mask=m, is_causal=c),
+    "max_logit": lambda q, k, m, c: attention_max_logit(q, k, mask=m, is_causal=c),
+    "distance": lambda q, k, m, c: attention_distance(q, k, mask=m, is_causal=c),
 }
 
 
 def time_paths(n: int, mask_kind: str, repeats: int) -> dict[str, float]:
     """Median seconds of each path at sequence length ``n``."""
-    q, k, support = make_inputs(n, mask_kind)
+    q, k, mask, is_causal = make_inputs(n, mask_kind)
     samples: dict[str, list[float]] = {name: [] for name in PATHS}
     for fn in PATHS.values():  # warm-up
-        fn(q, k, support)
+        fn(q, k, mask, is_causal)
     for _ in range(repeats):
         for name, fn in PATHS.items():
             start = time.perf_counter()
-            fn(q, k, support)
+            fn(q, k, mask, is_causal)
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
 
@@ -51,7 +53,7 @@ def report(sizes: list[int], repeats: int) -> str:
         "| mask | N | SDPA (ms) | entropy / SDPA | max logit / SDPA | distance / SDPA |",
         "|---|---|---|---|---|---|",
     ]
-    for mask_kind in ("causal", "padded"):
+    for mask_kind in ("causal", "causal+padding"):
         for n in sizes:
             times = time_paths(n, mask_kind, repeats)
             base = times["sdpa"]
@@ -65,8 +67,7 @@ def report(sizes: list[int], repeats: int) -> str:
         "",
         "Max logit scans every visible block of scores (no fused kernel returns it on CPU). Distance takes one "
         "fused SDPA call with V = key positions where every visible key precedes its query and logits are "
-        "bounded (causal order, key padding: the causal rows); other supports (the padded, non-causal rows) "
-        "are scored block by block.",
+        "bounded (causal order and key padding); other supports are scored block by block.",
     ]
     return "\n".join(lines)
 

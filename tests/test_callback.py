@@ -694,6 +694,20 @@ def test_explicit_batch_indices(tmp_path: Path) -> None:
     assert int(summary.count.sum()) == count_queries(gpt_reference(model.state_dict(), chosen))
 
 
+def test_trainer_validate_under_inference_mode(tmp_path: Path) -> None:
+    """``trainer.validate`` runs under torch.inference_mode (fit's validation under no_grad): same numbers."""
+    monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None, heatmap=False)
+    logger = lm.MemoryLogger()
+    model, val = lm.TinyGPT(), lm.make_batches(3, seed=12)
+    trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor])
+    assert trainer.validate_loop.inference_mode
+    trainer.validate(model, lm.loader(val))
+    assert _layer_means(logger) == [pytest.approx(_reference_means(model, val[:2]), abs=MEAN_TOL)]
+    summary = monitor.last_summary
+    assert summary is not None
+    assert int(summary.count.sum()) == count_queries(gpt_reference(model.state_dict(), val[:2]))
+
+
 def _draw(seed: int, population: int, count: int) -> tuple[int, ...]:
     """The documented draw, computed here: ``random.Random(seed + dataloader_idx)``, dataloader 0."""
     return tuple(sorted(random.Random(seed).sample(range(population), count)))

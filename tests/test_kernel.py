@@ -338,3 +338,16 @@ def test_recognition_runs_once_for_a_mask_every_layer_gets(monkeypatch: pytest.M
     supports = [Support.from_sdpa(spec.num_queries, spec.num_keys, dense.detach(), False) for _ in range(4)]
     assert len(calls) == 1
     assert all(torch.equal(s.num_valid(), supports[0].num_valid()) for s in supports)
+
+
+def test_recognition_under_inference_mode_sees_in_place_edits() -> None:
+    """Lightning validates under torch.inference_mode, whose tensors keep no version counter."""
+    spec = spec_of("causal_pad_right", heads=1)
+    with torch.inference_mode():
+        dense = ref.dense_support(spec).clone()
+        first = Support.from_sdpa(spec.num_queries, spec.num_keys, dense, False)
+        assert first.mask is None and torch.equal(first.num_valid().expand(dense.shape[:3]), ref.num_valid(dense))
+        dense[0, 0, 5, 2] = False  # edited in place: nothing tells a cache so
+        changed = Support.from_sdpa(spec.num_queries, spec.num_keys, dense, False)
+        assert changed.mask is not None
+        assert torch.equal(changed.num_valid().expand(dense.shape[:3]), ref.num_valid(dense))
