@@ -364,12 +364,16 @@ class _CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        capture = self._capture
         if func is _SDPA:
-            self._capture._on_sdpa(_bind(_SDPA_ARGS, args, kwargs))
+            with capture._contained(capture._innermost(_UNOWNED_SDPA)):
+                capture._on_sdpa(_bind(_SDPA_ARGS, args, kwargs))
         elif func is _MHA_FORWARD:
-            self._capture._on_mha(_bind(_MHA_ARGS, args, kwargs))
+            with capture._contained(capture._innermost(_UNOWNED_MHA)):
+                capture._on_mha(_bind(_MHA_ARGS, args, kwargs))
         elif is_flex_attention(func):
-            self._capture._on_flex(args, kwargs)
+            with capture._contained(capture._innermost(_UNOWNED_FLEX)):
+                capture._on_flex(args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -404,6 +408,11 @@ class AttentionCapture:
             its probabilities agree with. A module whose output does not hold
             probabilities there is skipped with a warning that names it.
         method: entropy path for q/k calls (see :func:`entropy_from_qk`).
+        errors: what an error while reading or measuring a call does:
+            ``"raise"`` (default) lets it propagate; ``"warn"`` skips that
+            call, counts it per layer in :attr:`skipped` and warns once per
+            layer, so that monitoring never stops the model's own work (the
+            Lightning callback records this way).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or bad adapters.
@@ -434,7 +443,10 @@ class AttentionCapture:
         layers: Iterable[str] | None = None,
         adapters: Mapping[str, Adapter] | None = None,
         method: Method = "auto",
+        errors: str = "raise",
     ) -> None:
+        if errors not in ("raise", "warn"):
+            raise ValueError(f"Expected `errors` to be 'raise' or 'warn', got {errors!r}.")
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}.")
         if metric is not None and not isinstance(metric, AttentionEntropy):
@@ -482,6 +494,9 @@ class AttentionCapture:
         }
         self._ran: set[str] = set()
         self._read: set[str] = set()
+        self.errors = errors
+        #: Layer -> calls skipped after an error (``errors="warn"``).
+        self.skipped: dict[str, int] = {}
         self.num_calls = 0
         self.num_recordings = 0
 
@@ -659,26 +674,53 @@ class AttentionCapture:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self._recording or not self._selected(name):
                 return
-            try:
-                call = adapter(module, args, kwargs, output)
-            except ValueError as error:
-                if name not in self._automatic:
-                    raise
-                self._warn_once(
-                    f"unreadable:{name}",
-                    f"attn_monitor cannot read the attention probabilities of {name!r} "
-                    f"({type(module).__name__}): {error} Pass "
-                    f"`adapters={{{name!r}: probabilities_at(index, mask_arg=...)}}` with where its output holds "
-                    "them, or run the model with attn_implementation='sdpa'; this layer is skipped.",
-                )
-                return
-            if call is not None:
-                if call.self_attention is None:
-                    num_q, num_k = call.support.num_queries, call.support.num_keys
-                    call = replace(call, self_attention=num_q == num_k and not _takes_other_keys(module, args, kwargs))
-                self._receive(replace(call, layer=name))
+            with self._contained(name):
+                self._read_adapter(name, adapter, module, args, kwargs, output)
 
         return hook
+
+    def _read_adapter(
+        self, name: str, adapter: Adapter, module: nn.Module, args: tuple, kwargs: dict, output: Any
+    ) -> None:
+        try:
+            call = adapter(module, args, kwargs, output)
+        except ValueError as error:
+            if name not in self._automatic:
+                raise
+            self._warn_once(
+                f"unreadable:{name}",
+                f"attn_monitor cannot read the attention probabilities of {name!r} "
+                f"({type(module).__name__}): {error} Pass "
+                f"`adapters={{{name!r}: probabilities_at(index, mask_arg=...)}}` with where its output holds "
+                "them, or run the model with attn_implementation='sdpa'; this layer is skipped.",
+            )
+            return
+        if call is not None:
+            if call.self_attention is None:
+                num_q, num_k = call.support.num_queries, call.support.num_keys
+                call = replace(call, self_attention=num_q == num_k and not _takes_other_keys(module, args, kwargs))
+            self._receive(replace(call, layer=name))
+
+    def _innermost(self, unowned: str) -> str:
+        """The attention module running now (the owner of a call made here), else ``unowned``."""
+        return self._stack[-1][0] if self._stack else unowned
+
+    @contextmanager
+    def _contained(self, layer: str) -> Iterator[None]:
+        """Run the block; with ``errors="warn"`` an error in it skips the call, counted and named once."""
+        if self.errors == "raise" or torch.compiler.is_compiling():
+            yield
+            return
+        try:
+            yield
+        except Exception as error:
+            name = layer.strip(chr(0))
+            self.skipped[name] = self.skipped.get(name, 0) + 1
+            self._warn_once(
+                f"failed:{name}",
+                f"attn_monitor could not record a call of {name!r} ({type(error).__name__}: {error}); such calls "
+                "are skipped and counted in `skipped`, and the model runs on.",
+            )
 
     def _selected(self, name: str) -> bool:
         return self.layers is None or any(matches(name, pattern) for pattern in self.layers)
@@ -776,9 +818,9 @@ class AttentionCapture:
                 if not self._selected(name):
                     continue
                 call = replace(call, layer=name)
-            call = replace(call, padding_mask=self._query_mask_of(call))
             self.num_calls += 1
-            with torch.no_grad():
+            with torch.no_grad(), self._contained(call.layer):
+                call = replace(call, padding_mask=self._query_mask_of(call))
                 sample = self._samples(call)
                 for consumer in self._consumers:
                     consumer(call, sample)
@@ -832,7 +874,9 @@ class _InterfaceListener:
     def on_interface(
         self, module: nn.Module, implementation: str, query: Tensor, key: Tensor, mask: Any, kwargs: dict
     ) -> None:
-        self._capture._on_interface(module, implementation, query, key, mask, kwargs)
+        capture = self._capture
+        with capture._contained(capture._names.get(id(module)) or type(module).__name__):
+            capture._on_interface(module, implementation, query, key, mask, kwargs)
 
 
 class EntropyUpdate:

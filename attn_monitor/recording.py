@@ -151,7 +151,8 @@ class Recorder:
             if unmatched:
                 raise ValueError(f"Layer patterns {unmatched} match no module of {type(model).__name__}.")
         self._device = torch.device(device)
-        self.capture = AttentionCapture(model, layers=self.layers, adapters=self.adapters).attach()
+        # Inside a training run a call the capture cannot read is skipped and named, never raised.
+        self.capture = AttentionCapture(model, layers=self.layers, adapters=self.adapters, errors="warn").attach()
 
     def release(self) -> None:
         """Remove the capture's hooks; the streams stay."""

@@ -204,6 +204,50 @@ def test_entropy_update_on_nonfinite_probabilities() -> None:
     assert summary.mean[0].tolist() == pytest.approx([1.0, 1.0])
 
 
+def _failing(call: AttentionCall, sample: Tensor) -> None:
+    raise RuntimeError("measuring failed")
+
+
+def test_capture_errors_raise_by_default_and_are_contained_on_request() -> None:
+    model, x = TwoHeads(), torch.randn(2, 6, 8)
+    want = model(x)
+    capture = AttentionCapture(model)
+    raises = pytest.raises(RuntimeError, match="measuring failed")
+    with capture, torch.no_grad(), raises, capture.recording(consumers=[_failing]):
+        model(x)
+    metric = AttentionEntropy()
+    capture = AttentionCapture(model, errors="warn")
+    with capture, torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with capture.recording(consumers=[_failing]):
+                assert torch.equal(model(x), want)  # the model's own work is untouched
+        with capture.recording(consumers=[EntropyUpdate(metric)]):
+            model(x)
+    assert capture.skipped == {"sdpa_call_0": 3}
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "'sdpa_call_0' (RuntimeError: measuring failed)" in messages[0]
+    assert int(metric.compute().count.sum()) == 2 * 2 * 5  # later calls are recorded as usual
+    with pytest.raises(ValueError, match="`errors`"):
+        AttentionCapture(model, errors="ignore")
+
+
+def test_recorder_contains_errors_of_a_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a training run the monitor never raises out of the model's forward."""
+    import attn_monitor.capture as capture_module
+
+    monkeypatch.setattr(capture_module, "_sdpa_call", lambda layer, bound: _failing(None, None))  # type: ignore[arg-type]
+    model, x = TwoHeads(), torch.randn(2, 6, 8)
+    recorder = Recorder()
+    recorder.attach(model)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught, recorder.recording("validation", x):
+        warnings.simplefilter("always")
+        model(x)
+    assert recorder.capture is not None and recorder.capture.skipped == {"sdpa": 1}
+    assert any("could not record" in str(w.message) for w in caught)
+    recorder.release()
+
+
 def _full_support(num_q: int, num_k: int) -> Any:
     from attn_monitor.masks import Support
 
