@@ -14,7 +14,7 @@ summarise each, compare the two summaries head by head. This example:
 3. loads both summaries back, compares them with
    :func:`~attn_monitor.comparison.compare` and prints the ten heads whose
    entropy distribution moved most (Wasserstein-1 distance), then writes the
-   layer x head heatmap of W1 to ``docs/compare_w1.png``;
+   layer x head heatmap of W1 to ``runs/pictures/compare_w1.png``;
 4. runs the same comparison with the command line, as you would from a shell::
 
        attn-monitor compare epoch0_entropy.pt epoch5_entropy.pt --top 5 --heatmap out.png
@@ -116,7 +116,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Train a tiny GPT, then compare the attention of two checkpoints.")
     parser.add_argument("--epochs", type=int, default=6, help="training epochs, at least 2 (default: %(default)s)")
     parser.add_argument("--out", help="folder for checkpoints and summaries (default: a temporary folder)")
-    parser.add_argument("--heatmap", default="docs/compare_w1.png", help="W1 heatmap to write (default: %(default)s)")
+    parser.add_argument("--heatmap", default="runs/pictures/compare_w1.png", help="W1 heatmap to write (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     args = parser.parse_args()
     if args.epochs < 2:
