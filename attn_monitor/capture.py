@@ -29,8 +29,9 @@ chosen per call:
    whose modified logits the entropy is taken of.
 5. **Hugging Face's attention interface**: while recording, every function
    of ``ALL_ATTENTION_FUNCTIONS`` is wrapped (:mod:`attn_monitor.hf_interface`):
-   flash, flex, paged and registered kernels are read where they are
-   called. A call that path 1 or 4 sees inside the kernel is counted once,
+   flash, flex and registered kernels are read where they are called
+   (paged ones are refused: their keys sit in a cache the call does not
+   show). A call that path 1 or 4 sees inside the kernel is counted once,
    by that path. An attention module of a Hugging Face model that ran
    without any call being read gets one warning naming it and its
    ``attn_implementation``.
@@ -245,7 +246,10 @@ def _check_probabilities(module: nn.Module, index: int, probs: object) -> None:
 
 def _bool_reading(module: nn.Module, probs: Tensor, mask: Tensor) -> Tensor:
     """Visibility from a bool mask of unknown polarity: the reading the probabilities agree with."""
+    has_mass = bool((probs.float().sum(-1) > 1e-3).any())
     for visible in (mask, ~mask):
+        if has_mass and not bool(visible.any()):
+            continue  # a reading that hides every key cannot be the one the weights came from
         sees = visible.any(-1)
         outside = torch.where(visible, torch.zeros((), device=probs.device), probs.float()).sum(-1)
         if not bool((torch.where(sees, outside, 0.0) > 1e-3).any()):
@@ -714,6 +718,8 @@ class AttentionCapture:
         try:
             yield
         except Exception as error:
+            if self._interface_frames:
+                self._interface_frames[-1] += 1  # handled (skipped) here: the interface must not read it again
             name = layer.strip(chr(0))
             self.skipped[name] = self.skipped.get(name, 0) + 1
             self._warn_once(

@@ -810,3 +810,18 @@ def test_torch_compile_one_graph_per_state() -> None:
     finally:
         torch._dynamo.reset()
     assert backend.graphs <= 2, f"{backend.graphs} graphs compiled for 2 states (off, recording)"
+
+
+@pytest.mark.parametrize("hidden_is_true", [True, False], ids=["true_hides", "true_shows"])
+def test_auto_bool_reading_of_a_mask_that_hides_nothing(hidden_is_true: bool) -> None:
+    """A batch with nothing masked: all False under "True = hidden" must not read as "no key visible"."""
+
+    class Eager(torch.nn.Module):
+        def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+            return x
+
+    probs = torch.softmax(torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(0)), -1)
+    mask = torch.full((2, 1, 5, 5), not hidden_is_true)
+    call = probabilities_at(1, bool_mask="auto")(Eager(), (None,), {"attention_mask": mask}, (None, probs))
+    assert call is not None
+    assert torch.equal(call.support.num_valid().expand(2, 3, 5), torch.full((2, 3, 5), 5))
