@@ -23,6 +23,9 @@ with packing in ``position_ids`` / ``cu_seq_lens_q`` (flash kernels). A name
 with no mask builder gets None; the kernel is then taken to do what
 transformers' own kernels do with None: causal order when the module is
 causal (``module.is_causal``, default True), windowed by ``sliding_window``.
+Paged calls (``paged|...``, continuous batching) read their keys from a
+cache the call does not show: they are refused with a clear error (the
+capture names the layer and skips it).
 """
 
 from __future__ import annotations
@@ -150,18 +153,22 @@ def _documents_from_lengths(cu_seq_lens: Tensor, length: int) -> Tensor:
 
 
 def _causal_support(
-    num_q: int, num_k: int, window: int | None, padding: Tensor | None, documents: Tensor | None
+    num_q: int,
+    num_k: int,
+    window: int | None,
+    padding: Tensor | None,
+    documents: Tensor | None,
+    device: torch.device,
 ) -> Support:
     """Causal order as flash kernels align it: the last query sees the last key."""
     if num_q == num_k:
         return Support(num_q, num_k, padding_mask=padding, causal=True, window=window, document_ids=documents)
-    rows = torch.arange(num_q)[:, None] + (num_k - num_q)
-    cols = torch.arange(num_k)[None, :]
+    rows = torch.arange(num_q, device=device)[:, None] + (num_k - num_q)
+    cols = torch.arange(num_k, device=device)[None, :]
     visible = cols <= rows
     if window is not None:
         visible = visible & (cols > rows - window)
-    device = padding.device if padding is not None else torch.device("cpu")
-    return Support(num_q, num_k, padding_mask=padding, mask=visible.to(device)[None, None])
+    return Support(num_q, num_k, padding_mask=padding, mask=visible[None, None])
 
 
 def read_interface_call(
@@ -192,6 +199,14 @@ def read_interface_call(
         raise ValueError("Expected (batch, heads, seq, head_dim) query and key at the attention interface.")
     if kwargs.get("s_aux") is not None:
         raise ValueError("attention sinks (`s_aux`) add a logit outside the keys, which this reader does not model.")
+    lengths_q, lengths_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if kwargs.get("cache") is not None or (
+        isinstance(lengths_k, Tensor) and not (isinstance(lengths_q, Tensor) and torch.equal(lengths_q, lengths_k))
+    ):
+        raise ValueError(
+            "a paged or cached call: the kernel reads keys from its cache that the call does not show, so their "
+            "support cannot be rebuilt here (monitor full forward passes)."
+        )
     q, k = query.detach(), key.detach()
     num_q, num_k = q.shape[2], k.shape[2]
     scaling = kwargs.get("scaling")
@@ -217,7 +232,7 @@ def read_interface_call(
             elif isinstance(position_ids, Tensor) and position_ids.dim() == 2 and position_ids.shape[1] == num_k:
                 documents = _documents_from_positions(position_ids.detach())
         if causal and num_q > 1:
-            support = _causal_support(num_q, num_k, window, padding, documents)
+            support = _causal_support(num_q, num_k, window, padding, documents, q.device)
         else:
             support = Support(num_q, num_k, padding_mask=padding, document_ids=documents)
     else:

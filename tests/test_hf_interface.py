@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attn_monitor.capture import AttentionCapture
+from attn_monitor.hf_interface import read_interface_call
 from tests import reference
 
 transformers = pytest.importorskip("transformers")
@@ -309,3 +310,15 @@ def test_interface_untouched_outside_recording() -> None:
     with contextlib.ExitStack() as stack:
         stack.enter_context(AttentionCapture(model))
         assert interface_entries() == before
+
+
+def test_paged_calls_are_refused_with_a_clear_error() -> None:
+    """Paged kernels read keys from a cache the call does not show: no support can be rebuilt from the call."""
+    module = torch.nn.Module()
+    q = k = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="paged or cached"):
+        read_interface_call(module, q, k, None, {"cache": object()})
+    lengths = torch.tensor([0, 3])
+    with pytest.raises(ValueError, match="paged or cached"):
+        read_interface_call(module, q, k, None, {"cu_seq_lens_q": lengths, "cu_seq_lens_k": torch.tensor([0, 7])})
+    read_interface_call(module, q, k, None, {"cu_seq_lens_q": lengths, "cu_seq_lens_k": lengths})  # packing: read
