@@ -420,10 +420,10 @@ def _block_entropy(
     scores = (q[:, :, q_start:q_stop].to(dtype) * scale) @ k[:, :, k_start:k_stop].to(dtype).transpose(-1, -2)
     bias = support.bias_block(q_start, q_stop, k_start, k_stop)
     if bias is not None:
-        scores = scores + bias.to(dtype)
+        scores = scores + bias.to(scores.device, dtype)
     visible = support.block(q_start, q_stop, k_start, k_stop)
-    if visible is not None:
-        scores = scores.masked_fill(~visible, -math.inf)
+    if visible is not None:  # on the support's device (CPU for a mask-free causal support)
+        scores = scores.masked_fill(~visible.to(scores.device), -math.inf)
     return scores.logsumexp(-1), _logits_entropy(scores, None)
 
 
@@ -798,10 +798,11 @@ def _block_scores(
     kv_heads = k.shape[1]
     queries = (q[:, :, q_start:q_stop].to(dtype) * scale).reshape(batch, kv_heads, heads // kv_heads, -1, dim)
     scores = (queries @ k[:, :, None, k_start:k_stop].to(dtype).transpose(-1, -2)).flatten(1, 2)
-    if support.bias is not None:
-        scores = scores + support.bias[..., q_start:q_stop, k_start:k_stop].to(dtype)
+    bias = support.bias_block(q_start, q_stop, k_start, k_stop)
+    if bias is not None:
+        scores = scores + bias.to(scores.device, dtype)
     visible = support.block(q_start, q_stop, k_start, k_stop)
-    return scores if visible is None else scores.masked_fill(~visible, -math.inf)
+    return scores if visible is None else scores.masked_fill(~visible.to(scores.device), -math.inf)
 
 
 def _query_blocks(
@@ -830,7 +831,7 @@ def _query_blocks(
             continue
         rescore = functools.partial(_block_scores, q, k, support, scale, (q_start, q_stop), (k_start, k_stop))
         out[:, :, q_start:q_stop] = reduce(rescore(q.dtype), q_start, k_start, rescore)
-    return out.masked_fill(support.num_valid() == 0, math.nan)
+    return out.masked_fill(support.num_valid().to(out.device) == 0, math.nan)
 
 
 def attention_max_logit(
@@ -897,8 +898,9 @@ def _logit_at_argmax(
     key_heads = (torch.arange(heads, device=q.device) // (heads // k.shape[1]))[None, :, None]
     keys = k[batch_index, key_heads, index + k_start].double()
     logit = (q[:, :, q_start : q_start + rows].double() * keys).sum(-1) * scale
-    if support.bias is not None:
-        bias = support.bias[..., q_start : q_start + rows, k_start:].expand(batch, heads, rows, -1)
+    bias = support.bias_block(q_start, q_start + rows, k_start, k_start + scores.shape[-1])
+    if bias is not None:
+        bias = bias.to(q.device).expand(batch, heads, rows, scores.shape[-1])
         logit = logit + bias.gather(-1, index[..., None]).squeeze(-1).double()
     # Rows with no visible key peak at -inf; the caller turns them into NaN.
     return torch.where(scores.amax(-1) == -math.inf, -math.inf, logit)
@@ -1009,7 +1011,7 @@ def _causal_distance(q: Tensor, k: Tensor, support: Support, scale: float) -> Te
     column = torch.div(positions, spacing, rounding_mode="floor").long()
     mean_offset = out.gather(-1, column[None, None, :, None].expand(batch, heads, length, 1)).squeeze(-1)
     distance: Tensor = (positions - offsets[column] - mean_offset).clamp(min=0.0)
-    return distance.masked_fill(support.num_valid() == 0, math.nan)
+    return distance.masked_fill(support.num_valid().to(distance.device) == 0, math.nan)
 
 
 def _check_pair(name: str, value: object, other_name: str, other: object) -> None:

@@ -1106,3 +1106,20 @@ def test_max_logit_near_zero_after_cancellation_keeps_relative_precision() -> No
     want = ref.max_logit_from_qk(q, k, own_key)
     assert float(want.abs().max()) < 1.0 and float((q.double() * k.double()).abs().amax()) > 1e3
     assert_statistic_close(attention_max_logit(q, k, mask=own_key), want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fn", ["max_logit", "distance"])
+def test_query_independent_bias_over_several_query_blocks(fn: str) -> None:
+    """A (1, 1, 1, N) additive bias (the same for every query) read correctly in every query block."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 2, 8, 4, generator=gen), torch.randn(2, 2, 8, 4, generator=gen)
+    bias = torch.randn(1, 1, 1, 8, generator=gen)
+    scores = (q.double() @ k.double().transpose(-1, -2)) / 2.0 + bias.double()  # scale 1/sqrt(4)
+    if fn == "max_logit":
+        want = scores.amax(-1)
+        got = attention_max_logit(q, k, mask=bias, memory_budget=200)  # a few queries per block
+    else:
+        positions = torch.arange(8, dtype=torch.float64)
+        want = (scores.softmax(-1) * (positions[:, None] - positions[None, :]).abs()).sum(-1)
+        got = attention_distance(q, k, mask=bias, memory_budget=200)
+    assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4)
