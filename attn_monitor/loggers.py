@@ -32,7 +32,7 @@ import numpy as np
 
 from attn_monitor.figures import Picture, heatmap_picture, history_picture, median_grid
 from attn_monitor.functional import coarsen
-from attn_monitor.metric import EntropySummary, _quantile_name
+from attn_monitor.metric import EntropySummary, quantile_name
 from attn_monitor.shared import WarnOnce, check_int
 
 __all__ = [
@@ -182,7 +182,7 @@ _SCALARS_ONLY = WarnOnce()
 
 def _band(quantiles: Sequence[float]) -> tuple[str, str] | None:
     """The quantile pair drawn as the band around the median: q25-q75, else q05-q95."""
-    names = {_quantile_name(q) for q in quantiles}
+    names = {quantile_name(q) for q in quantiles}
     for pair in (("q25", "q75"), ("q05", "q95")):
         if set(pair) <= names:
             return pair

@@ -189,6 +189,7 @@ class LayerMetric(Metric):
         for state, (_, fill) in _STATES.items():
             setattr(self, state, _arrange(getattr(self, state), rows, layers, fill))
         self._layer_heads = dict(layers)
+        self._computed = None  # torchmetrics caches compute() until the next update or reset
 
     def reset(self) -> None:
         """Zero every statistic; the registered layers stay."""
@@ -239,7 +240,6 @@ class LayerMetric(Metric):
         rows = incoming_state.layers
         self.sums = self.sums + _arrange(incoming_state.sums.to(self.device), rows, layers, 0.0)
         self.maxes = torch.maximum(self.maxes, _arrange(incoming_state.maxes.to(self.device), rows, layers, -math.inf))
-        self._computed = None  # torchmetrics caches compute() until the next update or reset
 
     def get_extra_state(self) -> dict[str, Any]:
         return {
@@ -457,7 +457,7 @@ class EntropySummary(_Summary):
         (heads pooled) counts queries left out for non-finite entropy, for
         layers that had any.
         """
-        names = {q: _quantile_name(q) for q in quantiles}
+        names = {q: quantile_name(q) for q in quantiles}
         out: dict[str, float] = {}
         layer_quantiles = {q: self.layer_quantile(q) for q in quantiles}
         head_median = self.quantile(0.5)
@@ -494,7 +494,8 @@ def _put_nonfinite(out: dict[str, float], base: str, nonfinite: Tensor) -> None:
         out[f"{base}/nonfinite"] = float(nonfinite.sum())
 
 
-def _quantile_name(q: float) -> str:
+def quantile_name(q: float) -> str:
+    """Logged name of quantile level ``q``: ``q05``, ``q50``, ``q99_9``."""
     percent = q * 100
     if abs(percent - round(percent)) > 1e-9:
         return "q" + f"{percent:g}".replace(".", "_")

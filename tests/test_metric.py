@@ -1057,3 +1057,15 @@ def test_histogram_quantile_batched_and_empty() -> None:
     assert got.shape == (3,) and got.dtype == torch.float64
     _close(got[[0, 2]], [0.5, 0.125])
     assert torch.isnan(got[1])
+
+
+def test_compute_after_loading_or_registering_is_not_the_cached_summary() -> None:
+    """compute() caches its result; a loaded state or a new layer must not be hidden behind that cache."""
+    first, other = AttentionEntropy(), AttentionEntropy()
+    first.update("layer.0", torch.full((1, 2, 3), math.log(4.0)), torch.tensor(4))
+    other.update("layer.0", torch.zeros(1, 2, 3), torch.tensor(4))
+    assert first.compute().mean.tolist() == [[1.0, 1.0]]
+    first.load_state_dict(other.state_dict())
+    assert first.compute().mean.tolist() == [[0.0, 0.0]]
+    first.register_layer("layer.1", 3)
+    assert first.compute().layers == ["layer.0", "layer.1"]
