@@ -65,7 +65,7 @@ class AttentionEntropyMonitor(Callback):
         random_sample: draw ``batches`` indices at random over the epoch, with
             ``seed``; the draw is made once and reused every epoch.
         seed: seed of the random draw.
-        every_n_epochs: monitor every n-th validation run.
+        every_n_epochs: monitor the validation runs of every n-th epoch (each of them).
         skip_sanity_check: leave out the sanity-check validation run.
         train_every_n_steps: also record one training step every n steps and
             log it under ``{prefix}_train`` (None: off).
@@ -317,13 +317,17 @@ class AttentionEntropyMonitor(Callback):
                 continue
             self.last_summaries[index] = summary
             extra = masses.to_dict("attn") if masses is not None else {}
-            extra.update(self.collapse(summary, key=index))
-            extra.update(self.overload(summary, key=index))
+            # The sanity check is no monitored epoch: it sets no alert baseline and stops nothing.
+            alerts = not trainer.sanity_checking
+            if alerts:
+                extra.update(self.collapse(summary, key=index))
+                extra.update(self.overload(summary, key=index))
             if statistics is not None:
                 self.last_statistics[index] = statistics
                 extra.update(statistics.to_dict("attn", per_head=self.options.per_head))
-                extra.update(self.max_logit_alert(statistics, key=index))
-            if self.collapse.flagged and self.stop_on_collapse:
+                if alerts:
+                    extra.update(self.max_logit_alert(statistics, key=index))
+            if alerts and self.collapse.flagged and self.stop_on_collapse:
                 trainer.should_stop = True
             if masses is not None:
                 self.leakage(masses)
@@ -364,6 +368,14 @@ class AttentionEntropyMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._finish_training_record(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A module whose on_train_batch_start returns -1 ends the epoch without on_train_batch_end.
+        self._finish_training_record(trainer)
+
+    def _finish_training_record(self, trainer: pl.Trainer) -> None:
         if not self._training_step:
             return
         self._training_step = False

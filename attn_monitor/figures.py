@@ -22,9 +22,7 @@ from attn_monitor.metric import EntropySummary
 
 __all__ = [
     "Picture",
-    "figure_to_array",
     "grid_picture",
-    "heatmap_figure",
     "heatmap_picture",
     "history_picture",
     "layer_head_figure",
@@ -73,31 +71,6 @@ def layer_head_figure(
     axes.set_title(title, fontsize=10)
     figure.colorbar(image, ax=axes, fraction=0.05).set_label(label)
     return figure
-
-
-def heatmap_figure(summary: EntropySummary, *, title: str | None = None) -> Any:
-    """Layer x head heatmap of the median normalised entropy (shared 0..1 colour scale).
-
-    Empty cells (heads a layer does not have, or with no counted query) stay blank.
-
-    Returns:
-        A matplotlib ``Figure`` (see :func:`layer_head_figure`).
-    """
-    return layer_head_figure(
-        summary.quantile(0.5).numpy(),
-        summary.layers,
-        limits=(0.0, 1.0),
-        colours="viridis",
-        title=title or "Median normalised attention entropy (0 = one key, 1 = uniform)",
-        label="median normalised entropy",
-    )
-
-
-def figure_to_array(figure: Any) -> np.ndarray:
-    """The (height, width, 3) uint8 RGB pixels of a figure made by :func:`layer_head_figure`."""
-    figure.canvas.draw()
-    pixels: np.ndarray = np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
-    return pixels
 
 
 def save_heatmap(summary: EntropySummary, path: str | os.PathLike[str], **kwargs: Any) -> None:

@@ -25,7 +25,7 @@ class BatchSchedule:
         random_sample: draw ``batches`` indices at random, once per
             dataloader (seeded by ``seed + dataloader_idx``), reused every epoch.
         seed: seed of the draw.
-        every_n_epochs: record every n-th validation run.
+        every_n_epochs: record the validation runs of every n-th epoch (each of them).
         skip_sanity_check: leave out the sanity-check validation run.
         train_every_n_steps: record one training batch every n optimizer
             steps (None: never).

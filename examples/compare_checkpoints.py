@@ -116,7 +116,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Train a tiny GPT, then compare the attention of two checkpoints.")
     parser.add_argument("--epochs", type=int, default=6, help="training epochs, at least 2 (default: %(default)s)")
     parser.add_argument("--out", help="folder for checkpoints and summaries (default: a temporary folder)")
-    parser.add_argument("--heatmap", default="runs/pictures/compare_w1.png", help="W1 heatmap to write (default: %(default)s)")
+    parser.add_argument(
+        "--heatmap", default="runs/pictures/compare_w1.png", help="W1 heatmap to write (default: %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     args = parser.parse_args()
     if args.epochs < 2:

@@ -708,6 +708,20 @@ def test_trainer_validate_under_inference_mode(tmp_path: Path) -> None:
     assert int(summary.count.sum()) == count_queries(gpt_reference(model.state_dict(), val[:2]))
 
 
+def test_sanity_check_sets_no_alert_baseline_and_stops_nothing(tmp_path: Path) -> None:
+    """The sanity check is recorded when asked for, but it is no monitored epoch for the alerts."""
+    monitor = AttentionEntropyMonitor(
+        batches=1, skip_sanity_check=False, collapse_threshold=1.0, stop_on_collapse=True, histogram_bins=None
+    )
+    trainer = make_trainer(
+        tmp_path, loggers=[lm.MemoryLogger()], callbacks=[monitor], max_epochs=1, num_sanity_val_steps=1
+    )
+    trainer.fit(lm.TinyGPT(), lm.loader(lm.make_batches(2, seed=1)), lm.loader(lm.make_batches(2, seed=2)))
+    assert trainer.global_step == 2  # the first epoch trained; the collapse flagged after it stops the run
+    summary = monitor.last_summary
+    assert summary is not None and torch.equal(monitor.collapse.baselines[0], summary.quantile(0.5))
+
+
 def _draw(seed: int, population: int, count: int) -> tuple[int, ...]:
     """The documented draw, computed here: ``random.Random(seed + dataloader_idx)``, dataloader 0."""
     return tuple(sorted(random.Random(seed).sample(range(population), count)))
