@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from attn_monitor.callback import AttentionEntropyMonitor
-    from attn_monitor.capture import AttentionCall, AttentionCapture, evaluate_attention, probabilities_at
+    from attn_monitor.calls import AttentionCall
+    from attn_monitor.capture import AttentionCapture, evaluate_attention
     from attn_monitor.comparison import Comparison, compare, load_summary, save_summary
     from attn_monitor.diagnostics import MassDiagnostics
+    from attn_monitor.eager import probabilities_at
     from attn_monitor.functional import (
         attention_distance,
         attention_entropy,
@@ -65,7 +67,9 @@ __all__ = [
 #: Public name -> the module that defines it.
 _HOMES = {
     "AttentionEntropyMonitor": "callback",
-    **dict.fromkeys(("AttentionCall", "AttentionCapture", "evaluate_attention", "probabilities_at"), "capture"),
+    "AttentionCall": "calls",
+    **dict.fromkeys(("AttentionCapture", "evaluate_attention"), "capture"),
+    "probabilities_at": "eager",
     **dict.fromkeys(("Comparison", "compare", "load_summary", "save_summary"), "comparison"),
     "MassDiagnostics": "diagnostics",
     **dict.fromkeys(

@@ -40,7 +40,8 @@ from torch import nn
 from typing_extensions import override
 
 from attn_monitor.alerts import CollapseAlert, LeakageAlert, MaxLogitAlert, OverloadAlert
-from attn_monitor.capture import Adapter, AttentionCapture, nothing_captured_message
+from attn_monitor.calls import Adapter
+from attn_monitor.capture import AttentionCapture, nothing_captured_message
 from attn_monitor.comparison import SummaryArchive
 from attn_monitor.head_stats import StatisticsSummary
 from attn_monitor.loggers import Dashboards, LogOptions, send_alert, warn_scalars_only

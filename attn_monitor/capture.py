@@ -63,10 +63,9 @@ from __future__ import annotations
 
 import inspect
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -76,21 +75,23 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from attn_monitor import hf_interface
-from attn_monitor.flex import ScoreMod, is_flex_attention, read_flex_call, score_mod_lse_entropy
-from attn_monitor.functional import Method, attention_entropy, entropy_from_qk
+from attn_monitor.calls import Adapter, AttentionCall, Consumer
+from attn_monitor.consumers import EntropyUpdate
+from attn_monitor.eager import (
+    ATTENTION_CLASS,
+    hf_eager_adapter,
+    hf_eager_attention,
+    is_attention_leaf,
+    positions,
+    takes_other_keys,
+)
+from attn_monitor.flex import is_flex_attention, read_flex_call
+from attn_monitor.functional import Method
 from attn_monitor.masks import Support
 from attn_monitor.metric import AttentionEntropy, EntropySummary
-from attn_monitor.shared import WarnOnce, matches
+from attn_monitor.shared import WarnOnce, describe, matches
 
-__all__ = [
-    "Adapter",
-    "AttentionCall",
-    "AttentionCapture",
-    "Consumer",
-    "EntropyUpdate",
-    "evaluate_attention",
-    "probabilities_at",
-]
+__all__ = ["AttentionCapture", "default_document_ids", "default_padding_mask", "evaluate_attention"]
 
 _SDPA = F.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
@@ -99,200 +100,6 @@ _MHA_ARGS = tuple(inspect.signature(_MHA_FORWARD).parameters)
 #: Placeholder layers of calls made outside any known attention module.
 _UNOWNED_SDPA, _UNOWNED_MHA, _UNOWNED_FLEX = "\0sdpa", "\0mha", "\0flex"
 _UNOWNED = (_UNOWNED_SDPA, _UNOWNED_MHA, _UNOWNED_FLEX)
-#: Class names that mark a module as attention for the SDPA path's attribution.
-_ATTENTION_CLASS = re.compile(r"attention|attn", re.IGNORECASE)
-#: Forward arguments through which Hugging Face attention modules take keys from another sequence.
-_OTHER_KEYS_ARGS = ("key_value_states", "encoder_hidden_states")
-#: Forward arguments holding the mask a Hugging Face eager attention module applies, in order of preference.
-_MASK_ARGS = ("attention_mask", "mask", "attn_mask")
-#: ``bool_mask`` readings of :func:`probabilities_at`.
-_BOOL_MASKS = ("visible", "hidden", "auto")
-
-
-@dataclass(frozen=True)
-class AttentionCall:
-    """One attention call, as much of it as entropy needs.
-
-    Either ``q`` and ``k`` (logits ``scale * q k^T`` over the support) or
-    ``probs`` is set.
-
-    Attributes:
-        layer: the owning module's qualified name in the model.
-        support: the keys each query may see, from the model's mask.
-        q: (batch, heads, seq_q, head_dim) queries, detached.
-        k: (batch, kv_heads, seq_k, head_dim) keys, detached.
-        scale: logit scale for ``q`` and ``k``.
-        probs: (batch, heads, seq_q, seq_k) attention probabilities, detached.
-        padding_mask: (batch, seq_q) real tokens of the sequence this call's
-            queries come from, when the recording's padding mask applies to
-            the layer; None otherwise. Set by the capture.
-        document_ids: (batch, seq) document of each token of the recorded
-            batch (packed sequences), if given.
-        self_attention: whether the keys are the query tokens themselves.
-            None (adapters may leave it): the capture decides (see the
-            module docstring).
-        score_mod: with ``q`` and ``k``, FlexAttention's
-            ``score_mod(score, b, h, q_idx, kv_idx)`` applied to the scaled
-            logits before the softmax (a flex ``score_mod``, Gemma-style
-            soft-capping); None: the logits are ``scale * q k^T``.
-    """
-
-    layer: str
-    support: Support
-    q: Tensor | None = None
-    k: Tensor | None = None
-    scale: float | None = None
-    probs: Tensor | None = None
-    padding_mask: Tensor | None = None
-    document_ids: Tensor | None = None
-    self_attention: bool | None = None
-    score_mod: ScoreMod | None = None
-
-
-#: ``adapter(module, args, kwargs, output) -> AttentionCall | None``, called by a
-#: forward hook on the module while recording. ``layer`` may be left empty: the
-#: capture fills in the module's name.
-Adapter = Callable[[nn.Module, tuple, dict, Any], "AttentionCall | None"]
-
-
-def probabilities_at(index: int = 1, *, mask_arg: str | None = "attention_mask", bool_mask: str = "visible") -> Adapter:
-    """Adapter for modules that return attention probabilities.
-
-    Args:
-        index: position of the (batch, heads, query, key) probabilities in the
-            module's output tuple; negative counts from the end. Hugging Face
-            eager attention: 1 for most families, -1 for the T5 family (whose
-            modules return ``(output, position_bias, weights)``).
-        mask_arg: forward argument (by keyword or position) holding the mask
-            the module applied, broadcastable to the probabilities: bool or
-            additive float (``-inf`` or the dtype's minimum hides a key). None,
-            or an absent or None argument: every key is visible, or causal
-            order if the module has ``is_causal = True``.
-        bool_mask: how to read a bool mask: ``"visible"`` (True = the key is
-            visible, SDPA's convention), ``"hidden"`` (True = the key is
-            hidden, as in ``scores.masked_fill(mask, min)``), or ``"auto"``:
-            the reading under which no query that sees a key puts mass on a
-            hidden one, decided per call.
-
-    Returns:
-        ``adapter(module, args, kwargs, output) -> AttentionCall | None``. The
-        adapter raises ValueError when the output does not hold probabilities
-        at ``index``, or when no reading of a bool mask fits them.
-
-    Raises:
-        TypeError: ``index`` is not an int or ``mask_arg`` not a str.
-        ValueError: an unknown ``bool_mask``.
-
-    Example:
-        >>> adapter = probabilities_at(1)
-        >>> class Eager(torch.nn.Module):
-        ...     def forward(self, x):
-        ...         return x, torch.full((1, 1, 2, 4), 0.25)
-        >>> call = adapter(Eager(), (None,), {}, Eager()(None))
-        >>> call.probs.shape, call.support.num_valid().tolist()
-        (torch.Size([1, 1, 2, 4]), [[[4, 4]]])
-    """
-    if not isinstance(index, int) or isinstance(index, bool):
-        raise TypeError(f"Expected `index` to be an int, got {type(index).__name__}.")
-    if mask_arg is not None and not isinstance(mask_arg, str):
-        raise TypeError(f"Expected `mask_arg` to be a str or None, got {type(mask_arg).__name__}.")
-    if bool_mask not in _BOOL_MASKS:
-        raise ValueError(f"Expected `bool_mask` to be one of {_BOOL_MASKS}, got {bool_mask!r}.")
-
-    def adapter(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> AttentionCall | None:
-        if not isinstance(output, (tuple, list)) or not -len(output) <= index < len(output):
-            raise ValueError(
-                f"Expected the output of {type(module).__name__} to be a tuple with probabilities at index {index}, "
-                f"got {_describe(output) if not isinstance(output, (tuple, list)) else f'{len(output)} elements'}."
-            )
-        probs = output[index]
-        if probs is None:
-            return None
-        _check_probabilities(module, index, probs)
-        mask = _argument(module, mask_arg, args, kwargs) if mask_arg is not None else None
-        num_q, num_k = probs.shape[-2:]
-        if isinstance(mask, Tensor):
-            # Like Hugging Face's eager attention: the first num_k keys (a static cache may be longer).
-            mask = mask.detach()[..., -num_q:, :num_k]
-            if mask.dtype == torch.bool and bool_mask != "visible":
-                mask = ~mask if bool_mask == "hidden" else _bool_reading(module, probs.detach(), mask)
-            support = Support(num_q, num_k, mask=mask)
-        else:
-            support = Support(num_q, num_k, causal=bool(getattr(module, "is_causal", False)))
-        return AttentionCall(layer="", support=support, probs=probs.detach())
-
-    return adapter
-
-
-def _check_probabilities(module: nn.Module, index: int, probs: object) -> None:
-    """Raise unless ``probs`` can be (batch, heads, query, key) attention probabilities."""
-    where = f"output[{index}] of {type(module).__name__}"
-    if not isinstance(probs, Tensor) or probs.dim() != 4 or not probs.dtype.is_floating_point:
-        raise ValueError(f"Expected {where} to be (batch, heads, query, key) probabilities, got {_describe(probs)}.")
-    with torch.no_grad():
-        values = probs.detach().float()
-        if bool((values < -1e-6).any()):
-            raise ValueError(f"Expected {where} to hold probabilities, found negative values (a bias or logits?).")
-        if not bool((values > 0).any()):
-            raise ValueError(f"Expected {where} to hold probabilities, found no positive value (a zero bias?).")
-        # At most 1: learned sinks (softmax over the keys and a sink logit) leave rows below 1, and
-        # dropout rescales rows in train mode.
-        if not module.training:
-            largest = float(values.sum(-1).max())
-            tolerance = 1e-3 if probs.dtype in (torch.float32, torch.float64) else 3e-2
-            if largest > 1 + tolerance:
-                raise ValueError(f"Expected the rows of {where} to sum to at most 1, found a sum of {largest:.4g}.")
-
-
-def _bool_reading(module: nn.Module, probs: Tensor, mask: Tensor) -> Tensor:
-    """Visibility from a bool mask of unknown polarity: the reading the probabilities agree with."""
-    has_mass = bool((probs.float().sum(-1) > 1e-3).any())
-    for visible in (mask, ~mask):
-        if has_mass and not bool(visible.any()):
-            continue  # a reading that hides every key cannot be the one the weights came from
-        sees = visible.any(-1)
-        outside = torch.where(visible, torch.zeros((), device=probs.device), probs.float()).sum(-1)
-        if not bool((torch.where(sees, outside, 0.0) > 1e-3).any()):
-            return visible
-    raise ValueError(
-        f"{type(module).__name__} puts attention mass on keys its bool mask hides, whichever way True is read; "
-        "pass probabilities_at(..., bool_mask='visible' or 'hidden') or an adapter that builds the support."
-    )
-
-
-#: Positions of forward arguments, per module class (read from the signature once).
-_POSITIONS: dict[type, dict[str, int]] = {}
-
-
-def _positions(module: nn.Module) -> dict[str, int]:
-    """name -> position of the positional-or-keyword arguments of ``module.forward`` (``self`` excluded)."""
-    cls = type(module)
-    if cls not in _POSITIONS:
-        try:
-            parameters = list(inspect.signature(module.forward).parameters.values())
-        except (TypeError, ValueError):
-            parameters = []
-        _POSITIONS[cls] = {
-            p.name: i
-            for i, p in enumerate(parameters)
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        }
-    return _POSITIONS[cls]
-
-
-def _argument(module: nn.Module, name: str, args: tuple, kwargs: dict) -> Any:
-    """The value ``module.forward`` received for argument ``name`` (None if not given)."""
-    if name in kwargs:
-        return kwargs[name]
-    position = _positions(module).get(name)
-    return args[position] if position is not None and position < len(args) else None
-
-
-def _takes_other_keys(module: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Whether ``module`` was called with keys from another sequence than its queries (cross-attention)."""
-    if getattr(module, "is_cross_attention", False) is True:
-        return True
-    return any(_argument(module, name, args, kwargs) is not None for name in _OTHER_KEYS_ARGS)
 
 
 def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -379,10 +186,6 @@ class _CaptureMode(TorchFunctionMode):
             with capture._contained(capture._innermost(_UNOWNED_FLEX)):
                 capture._on_flex(args, kwargs)
         return func(*args, **kwargs)
-
-
-#: ``consumer(call, is_sample)`` with the (batch, heads|1, query) bool samples of the call.
-Consumer = Callable[[AttentionCall, Tensor], None]
 
 
 class AttentionCapture:
@@ -474,7 +277,7 @@ class AttentionCapture:
         self._adapters = self._resolve_adapters(adapters or {})
         self._owners = self._attention_owners()
         for module in self._owners.values():
-            _positions(module)  # read signatures now, not while a compiled forward is traced
+            positions(module)  # read signatures now, not while a compiled forward is traced
         self._decoders = self._decoder_scopes()
         self._handles: list[RemovableHandle] = []
         #: (layer, keys from another sequence) of the attention modules running now, innermost last.
@@ -494,7 +297,7 @@ class AttentionCapture:
             name: implementation
             for name, module in self._owners.items()
             if isinstance(implementation := getattr(getattr(module, "config", None), "_attn_implementation", None), str)
-            and _is_attention_leaf(module)
+            and is_attention_leaf(module)
         }
         self._ran: set[str] = set()
         self._read: set[str] = set()
@@ -515,9 +318,9 @@ class AttentionCapture:
                 raise ValueError(f"Adapter pattern {pattern!r} matches no module of {type(self.model).__name__}.")
             resolved.update(dict.fromkeys(matched, adapter))
         # Hugging Face eager attention, anywhere inside ``model`` (a LightningModule, a wrapper).
-        for name, (module, index) in _hf_eager_attention(self.model).items():
+        for name, (module, index) in hf_eager_attention(self.model).items():
             if name not in resolved:
-                resolved[name] = _hf_eager_adapter(module, index)
+                resolved[name] = hf_eager_adapter(module, index)
                 self._automatic.add(name)
         return resolved
 
@@ -545,7 +348,7 @@ class AttentionCapture:
             for name, module in self.model.named_modules()
             if name not in self._adapters
             and not isinstance(module, nn.MultiheadAttention)
-            and _ATTENTION_CLASS.search(type(module).__name__)
+            and ATTENTION_CLASS.search(type(module).__name__)
         }
 
     @property
@@ -631,7 +434,7 @@ class AttentionCapture:
             raise RuntimeError("This capture is already recording; recordings do not nest.")
         query_masks = _query_masks(padding_mask)
         if document_ids is not None and (not isinstance(document_ids, Tensor) or document_ids.dim() != 2):
-            raise ValueError(f"Expected `document_ids` with shape (batch, seq), got {_describe(document_ids)}.")
+            raise ValueError(f"Expected `document_ids` with shape (batch, seq), got {describe(document_ids)}.")
         chosen = list(self.consumers if consumers is None else consumers)
         for consumer in chosen:
             if not callable(consumer):
@@ -662,7 +465,7 @@ class AttentionCapture:
     def _push(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if self._recording:
-                self._stack.append((name, _takes_other_keys(module, args, kwargs)))
+                self._stack.append((name, takes_other_keys(module, args, kwargs)))
                 self._ran.add(name)
 
         return hook
@@ -702,7 +505,7 @@ class AttentionCapture:
         if call is not None:
             if call.self_attention is None:
                 num_q, num_k = call.support.num_queries, call.support.num_keys
-                call = replace(call, self_attention=num_q == num_k and not _takes_other_keys(module, args, kwargs))
+                call = replace(call, self_attention=num_q == num_k and not takes_other_keys(module, args, kwargs))
             self._receive(replace(call, layer=name))
 
     def _innermost(self, unowned: str) -> str:
@@ -788,7 +591,7 @@ class AttentionCapture:
             )
             return
         on_stack = self._stack and self._stack[-1][0] == name
-        other_keys = self._stack[-1][1] if on_stack else _takes_other_keys(module, (), {})
+        other_keys = self._stack[-1][1] if on_stack else takes_other_keys(module, (), {})
         same = support.num_queries == support.num_keys and not other_keys
         self._receive(AttentionCall(name, support, q, k, scale, score_mod=score_mod, self_attention=same))
 
@@ -885,180 +688,6 @@ class _InterfaceListener:
             capture._on_interface(module, implementation, query, key, mask, kwargs)
 
 
-class EntropyUpdate:
-    """The consumer that adds each call's per-query entropy to one :class:`AttentionEntropy`.
-
-    A diverging model must not stop training: queries that non-finite q, k
-    or weights reach (NaN, inf) are left out, counted per layer in
-    :attr:`nonfinite` and reported by one warning per layer, while the
-    functional API itself raises on such input.
-
-    Args:
-        metric: the metric to update.
-        method: entropy path for q/k calls (see :func:`entropy_from_qk`).
-
-    Example:
-        >>> import torch
-        >>> attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
-        >>> validation, training = AttentionEntropy(), AttentionEntropy()
-        >>> with AttentionCapture(attn) as capture:
-        ...     with capture.recording(consumers=[EntropyUpdate(validation)]):
-        ...         _ = attn(*(3 * [torch.randn(1, 4, 8)]), need_weights=False)
-        >>> validation.layers, training.layers
-        (['MultiheadAttention'], [])
-    """
-
-    def __init__(self, metric: AttentionEntropy, *, method: Method = "auto") -> None:
-        if not isinstance(metric, AttentionEntropy):
-            raise TypeError(f"Expected `metric` to be an AttentionEntropy, got {type(metric).__name__}.")
-        self.metric = metric
-        self.method = method
-        self._warn_once = WarnOnce()
-
-    def __call__(self, call: AttentionCall, sample: Tensor) -> None:
-        call, reached = without_nonfinite(call)
-        if call.probs is not None:
-            entropy = attention_entropy(call.probs, call.support.dense(), no_mass="nan")
-            stranded = entropy.isnan() & (call.support.num_valid() > 0)
-            if stranded.any():
-                # Eager attention in train mode returns weights after dropout: a row can lose
-                # its whole support. Those queries are left out; the rest are renormalised.
-                self._warn_once(
-                    f"dropped-rows:{call.layer}",
-                    f"attn_monitor: {call.layer!r} returned attention weights with no mass on the support of "
-                    "some queries (dropout in train mode?); they are left out. Monitor in eval mode, or use "
-                    "sdpa attention, for the pre-dropout distribution.",
-                )
-                sample = sample & ~stranded
-        elif call.q is not None and call.k is not None and call.score_mod is not None:
-            scale = 1.0 / math.sqrt(call.q.shape[-1]) if call.scale is None else call.scale
-            _, entropy = score_mod_lse_entropy(call.q, call.k, call.support, scale, call.score_mod)
-        elif call.q is not None and call.k is not None:
-            entropy = entropy_from_qk(call.q, call.k, mask=call.support, scale=call.scale, method=self.method)
-        else:
-            raise ValueError(f"An AttentionCall of {call.layer!r} holds neither q and k nor probabilities.")
-        if reached is not None:
-            entropy = entropy.masked_fill(reached, math.nan)
-        self._report_nonfinite(call.layer, entropy, sample)
-        # The metric leaves non-finite queries out of its statistics and counts them (``nonfinite``).
-        self.metric.update(call.layer, entropy, call.support.num_valid(), sample)
-
-    def _report_nonfinite(self, layer: str, entropy: Tensor, sample: Tensor) -> None:
-        """Warn once per layer when sampled queries have non-finite entropy."""
-        bad = sample & ~torch.isfinite(entropy)
-        if bad.any():
-            self._warn_once(
-                layer,
-                f"attn_monitor: {layer!r}: {int(bad.sum())} queries met NaN or inf in their queries, keys or "
-                "attention weights (a diverging model?); they are left out of the entropy statistics, counted "
-                "in `nonfinite`, and training goes on.",
-            )
-
-
-def without_nonfinite(call: AttentionCall) -> tuple[AttentionCall, Tensor | None]:
-    """``call`` with its non-finite values replaced, and the (batch, heads, query) queries they reached.
-
-    The replacements (0 in q and k, a uniform row of weights) only keep the
-    entropy functions from raising; those queries' values are discarded.
-    None when every value is finite.
-    """
-    # A sum is NaN or inf when any term is (or, harmlessly, when it overflows), and far cheaper
-    # than an elementwise isfinite on CPU; the exact check runs only when it fails.
-    if call.probs is not None:
-        if bool(torch.isfinite(call.probs.sum(dtype=torch.float32))):
-            return call, None
-        bad = ~torch.isfinite(call.probs)
-        reached = (bad & call.support.dense()).any(-1) | bad.all(-1)
-        probs = torch.where(reached[..., None], 1.0, call.probs.masked_fill(bad, 0.0))
-        return replace(call, probs=probs), reached
-    if call.q is None or call.k is None:
-        return call, None
-    if bool(torch.isfinite(call.q.sum(dtype=torch.float32) + call.k.sum(dtype=torch.float32))):
-        return call, None
-    bad_q, bad_k = (~torch.isfinite(t.sum(-1, dtype=torch.float32)) for t in (call.q, call.k))
-    if not (bad_q.any() or bad_k.any()):
-        return call, None
-    reached = bad_q
-    if bad_k.any():
-        keys = bad_k.repeat_interleave(call.q.shape[1] // call.k.shape[1], dim=1)
-        reached = reached | (call.support.dense() & keys[..., None, :]).any(-1)
-    q, k = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (call.q, call.k))
-    return replace(call, q=q, k=k), reached
-
-
-def _is_attention_leaf(module: nn.Module) -> bool:
-    """A module named as attention with no attention module inside it."""
-    if not _ATTENTION_CLASS.search(type(module).__name__):
-        return False
-    return not any(_ATTENTION_CLASS.search(type(child).__name__) for child in module.modules() if child is not module)
-
-
-def _declared_attention_outputs(cls: type) -> list[tuple[type, int]]:
-    """(module class, output index) of the attention probabilities a Hugging Face model class declares.
-
-    Transformers models list what ``output_attentions`` collects in
-    ``_can_record_outputs``: under keys such as ``attentions`` and
-    ``cross_attentions``, a module class (probabilities at ``output[1]``) or a
-    recorder naming a ``target_class`` and an ``index``.
-    """
-    declared = getattr(cls, "_can_record_outputs", None)
-    if not isinstance(declared, Mapping):
-        return []
-    found = []
-    for key, specs in declared.items():
-        if "attentions" not in str(key):
-            continue
-        for spec in specs if isinstance(specs, (list, tuple)) else [specs]:
-            target = spec if isinstance(spec, type) else getattr(spec, "target_class", None)
-            index = 1 if isinstance(spec, type) else getattr(spec, "index", 1)
-            if isinstance(target, type) and isinstance(index, int):
-                found.append((target, index))
-    return found
-
-
-def _hf_eager_attention(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
-    """name -> (module, probabilities index) of every attention leaf under an ``eager`` Hugging Face config.
-
-    The implementation is the nearest enclosing ``config._attn_implementation``:
-    attention modules of some families (Bloom, MPT) hold no config, only their
-    model does. The index is the one the enclosing models declare for the
-    module's class; a declaration on an enclosing wrapper with a negative
-    index (the T5 family's ``T5LayerSelfAttention``, index -1) holds for the
-    attention module inside it, whose trailing outputs the wrapper passes on.
-    Without any declaration: 1, the Hugging Face convention.
-    """
-    found: dict[str, tuple[nn.Module, int]] = {}
-
-    def visit(module: nn.Module, name: str, implementation: object, declared: list, ancestors: list) -> None:
-        own = getattr(getattr(module, "config", None), "_attn_implementation", None)
-        implementation = own if isinstance(own, str) else implementation
-        declared = declared + _declared_attention_outputs(type(module))
-        if name and implementation == "eager" and _is_attention_leaf(module):
-            direct = [index for target, index in declared if isinstance(module, target)]
-            wrapped = [
-                index
-                for target, index in declared
-                if index < 0 and any(isinstance(ancestor, target) for ancestor in ancestors)
-            ]
-            found[name] = (module, (direct or wrapped or [1])[0])
-            return
-        for child_name, child in module.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name, implementation, declared, [*ancestors, module])
-
-    visit(model, "", None, [], [])
-    return found
-
-
-def _hf_eager_adapter(module: nn.Module, index: int) -> Adapter:
-    """``probabilities_at`` for a Hugging Face eager attention module: its own mask argument, either bool polarity."""
-    try:
-        parameters = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        parameters = {}  # type: ignore[assignment]
-    mask_arg = next((name for name in _MASK_ARGS if name in parameters), None)
-    return probabilities_at(index, mask_arg=mask_arg, bool_mask="auto")
-
-
 def _query_masks(padding_mask: object) -> list[tuple[str | None, Tensor]]:
     """``recording``'s ``padding_mask`` as (layer pattern or None for the input sequence, (batch, seq) bool)."""
     if padding_mask is None:
@@ -1075,7 +704,7 @@ def _query_masks(padding_mask: object) -> list[tuple[str | None, Tensor]]:
     for pattern, mask in items:
         if not isinstance(mask, Tensor) or mask.dim() != 2:
             where = "`padding_mask`" if pattern is None else f"`padding_mask[{pattern!r}]`"
-            raise ValueError(f"Expected {where} with shape (batch, seq), got {_describe(mask)}.")
+            raise ValueError(f"Expected {where} with shape (batch, seq), got {describe(mask)}.")
         masks.append((pattern, mask.detach().bool()))
     return masks
 
@@ -1085,12 +714,6 @@ def _own_tokens(support: Support) -> Tensor | None:
     if support.mask is None:
         return support.padding_mask  # causal order, windows and documents hide no key from every query
     return support.dense().any(-2).any(-2)
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, Tensor):
-        return f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
-    return type(value).__name__
 
 
 #: Batch keys that describe the batch for attn_monitor, not arguments of the model.

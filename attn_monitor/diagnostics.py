@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from attn_monitor.capture import AttentionCall
+from attn_monitor.calls import AttentionCall
 from attn_monitor.flex import score_mod_lse_entropy
 from attn_monitor.functional import attention_lse, mass_fraction, restrict_to_support
 from attn_monitor.masks import Support, leading_keys

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attn_monitor.capture import AttentionCall, without_nonfinite
+from attn_monitor.calls import AttentionCall
+from attn_monitor.consumers import without_nonfinite
 from attn_monitor.functional import attention_distance, attention_max_logit, broadcasts_to, restrict_to_support
 from attn_monitor.metric import LayerMetric
 from attn_monitor.shared import WarnOnce

@@ -19,14 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attn_monitor.capture import (
-    Adapter,
-    AttentionCapture,
-    Consumer,
-    EntropyUpdate,
-    default_document_ids,
-    default_padding_mask,
-)
+from attn_monitor.calls import Adapter, Consumer
+from attn_monitor.capture import AttentionCapture, default_document_ids, default_padding_mask
+from attn_monitor.consumers import EntropyUpdate
 from attn_monitor.diagnostics import MassDiagnostics
 from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate
 from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary

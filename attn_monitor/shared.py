@@ -1,4 +1,4 @@
-"""Small pieces several modules share: layer-name patterns, argument checks, warn-once.
+"""Small pieces several modules share: layer-name patterns, argument checks, warn-once, descriptions.
 
 Imports nothing beyond the standard library, so every module may use it.
 """
@@ -9,7 +9,7 @@ import fnmatch
 import warnings
 from collections.abc import Callable, Hashable, Iterable
 
-__all__ = ["WarnOnce", "check_int", "matches"]
+__all__ = ["WarnOnce", "check_int", "describe", "matches"]
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -82,3 +82,10 @@ class WarnOnce:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._seen
+
+
+def describe(value: object) -> str:
+    """A value as error messages name it: a tensor by shape and dtype, anything else by type."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # a tensor, without importing torch here
+        return f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__

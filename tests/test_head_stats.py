@@ -21,7 +21,8 @@ from torch import Tensor
 
 from attn_monitor.alerts import MaxLogitAlert, OverloadAlert
 from attn_monitor.callback import AttentionEntropyMonitor
-from attn_monitor.capture import AttentionCall, AttentionCapture, evaluate_attention
+from attn_monitor.calls import AttentionCall
+from attn_monitor.capture import AttentionCapture, evaluate_attention
 from attn_monitor.head_stats import AttentionStatistics, StatisticsUpdate, distance_from_probs
 from attn_monitor.masks import Support
 from attn_monitor.metric import AttentionEntropy

@@ -31,7 +31,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from attn_monitor.capture import AttentionCapture, evaluate_attention, probabilities_at
+from attn_monitor.capture import AttentionCapture, evaluate_attention
+from attn_monitor.eager import probabilities_at
 from tests import models, reference
 
 pytest.importorskip("transformers")

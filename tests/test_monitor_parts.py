@@ -17,7 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from attn_monitor.alerts import CollapseAlert, LeakageAlert
-from attn_monitor.capture import AttentionCall, AttentionCapture, EntropyUpdate
+from attn_monitor.calls import AttentionCall
+from attn_monitor.capture import AttentionCapture
+from attn_monitor.consumers import EntropyUpdate
 from attn_monitor.metric import AttentionEntropy, MassSummary
 from attn_monitor.recording import Recorder
 from attn_monitor.schedule import BatchSchedule

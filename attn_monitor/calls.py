@@ -1,0 +1,73 @@
+"""What one attention call is, as the capture hands it to its consumers.
+
+An :class:`AttentionCall` holds the queries and keys (or the probabilities) of
+one attention call and the support the model's own mask implies; readers of
+each attention path (:mod:`attn_monitor.capture` for SDPA and
+``nn.MultiheadAttention``, :mod:`attn_monitor.eager` for probability
+outputs, :mod:`attn_monitor.flex`, :mod:`attn_monitor.hf_interface`) make
+them, consumers (:mod:`attn_monitor.consumers`, the mass diagnostics, the
+per-head statistics) read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from attn_monitor.flex import ScoreMod
+from attn_monitor.masks import Support
+
+__all__ = ["Adapter", "AttentionCall", "Consumer"]
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention call, as much of it as entropy needs.
+
+    Either ``q`` and ``k`` (logits ``scale * q k^T`` over the support) or
+    ``probs`` is set.
+
+    Attributes:
+        layer: the owning module's qualified name in the model.
+        support: the keys each query may see, from the model's mask.
+        q: (batch, heads, seq_q, head_dim) queries, detached.
+        k: (batch, kv_heads, seq_k, head_dim) keys, detached.
+        scale: logit scale for ``q`` and ``k``.
+        probs: (batch, heads, seq_q, seq_k) attention probabilities, detached.
+        padding_mask: (batch, seq_q) real tokens of the sequence this call's
+            queries come from, when the recording's padding mask applies to
+            the layer; None otherwise. Set by the capture.
+        document_ids: (batch, seq) document of each token of the recorded
+            batch (packed sequences), if given.
+        self_attention: whether the keys are the query tokens themselves.
+            None (adapters may leave it): the capture decides (see the
+            module docstring).
+        score_mod: with ``q`` and ``k``, FlexAttention's
+            ``score_mod(score, b, h, q_idx, kv_idx)`` applied to the scaled
+            logits before the softmax (a flex ``score_mod``, Gemma-style
+            soft-capping); None: the logits are ``scale * q k^T``.
+    """
+
+    layer: str
+    support: Support
+    q: Tensor | None = None
+    k: Tensor | None = None
+    scale: float | None = None
+    probs: Tensor | None = None
+    padding_mask: Tensor | None = None
+    document_ids: Tensor | None = None
+    self_attention: bool | None = None
+    score_mod: ScoreMod | None = None
+
+
+#: ``adapter(module, args, kwargs, output) -> AttentionCall | None``, called by a
+#: forward hook on the module while recording. ``layer`` may be left empty: the
+#: capture fills in the module's name.
+Adapter = Callable[[nn.Module, tuple, dict, Any], "AttentionCall | None"]
+
+
+#: ``consumer(call, is_sample)`` with the (batch, heads|1, query) bool samples of the call.
+Consumer = Callable[[AttentionCall, Tensor], None]
