@@ -417,13 +417,7 @@ def _block_entropy(
     q: Tensor, k: Tensor, support: Support, scale: float, bounds: tuple[int, int, int, int], dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
     q_start, q_stop, k_start, k_stop = bounds
-    scores = (q[:, :, q_start:q_stop].to(dtype) * scale) @ k[:, :, k_start:k_stop].to(dtype).transpose(-1, -2)
-    bias = support.bias_block(q_start, q_stop, k_start, k_stop)
-    if bias is not None:
-        scores = scores + bias.to(scores.device, dtype)
-    visible = support.block(q_start, q_stop, k_start, k_stop)
-    if visible is not None:  # on the support's device (CPU for a mask-free causal support)
-        scores = scores.masked_fill(~visible.to(scores.device), -math.inf)
+    scores = _block_scores(q, k, support, scale, (q_start, q_stop), (k_start, k_stop), dtype)
     return scores.logsumexp(-1), _logits_entropy(scores, None)
 
 
