@@ -36,7 +36,7 @@ from torch import Tensor
 from attn_monitor.calls import AttentionCall
 from attn_monitor.consumers import without_nonfinite
 from attn_monitor.functional import attention_distance, attention_max_logit, broadcasts_to, restrict_to_support
-from attn_monitor.metric import LayerMetric
+from attn_monitor.metric import LayerMetric, put_nonfinite
 from attn_monitor.shared import WarnOnce
 
 __all__ = ["AttentionStatistics", "StatisticsSummary", "StatisticsUpdate", "distance_from_probs"]
@@ -144,8 +144,7 @@ class StatisticsSummary:
         for family, statistic, count, nonfinite, layer_value, head_value in families:
             for index, layer in enumerate(self.layers):
                 base = f"{prefix}_{family}/{layer}"
-                if nonfinite[index].sum() > 0:
-                    out[f"{base}/nonfinite"] = float(nonfinite[index].sum())
+                put_nonfinite(out, base, nonfinite[index])
                 if count[index].sum() == 0:
                     continue
                 out[f"{base}/{statistic}"] = float(layer_value[index])
@@ -262,7 +261,7 @@ class AttentionStatistics(LayerMetric):
 
     def compute(self) -> StatisticsSummary:
         """Summary of everything accumulated since the last reset (collective under DDP)."""
-        return StatisticsSummary(self.layers, [self.num_heads(layer) for layer in self.layers], self.statistics())
+        return StatisticsSummary(self.layers, self.head_counts, self.statistics())
 
 
 class StatisticsUpdate:

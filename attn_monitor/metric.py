@@ -139,6 +139,11 @@ class LayerMetric(Metric):
         """Heads of a registered layer."""
         return self._layer_heads[layer]
 
+    @property
+    def head_counts(self) -> list[int]:
+        """Heads of every registered layer, in the order of :attr:`layers`."""
+        return list(self._layer_heads.values())
+
     def register_layer(self, name: str, num_heads: int) -> None:
         """Add a layer with empty statistics. Registering the same layer again is a no-op.
 
@@ -465,7 +470,7 @@ class EntropySummary(_Summary):
         layer_count = self.count.sum(-1)
         for index, layer in enumerate(self.layers):
             base = f"{prefix}/{layer}"
-            _put_nonfinite(out, base, self.nonfinite[index])
+            put_nonfinite(out, base, self.nonfinite[index])
             if layer_count[index] == 0:
                 continue
             out[f"{base}/mean"] = float(self.layer_mean[index])
@@ -489,7 +494,8 @@ class EntropySummary(_Summary):
         )
 
 
-def _put_nonfinite(out: dict[str, float], base: str, nonfinite: Tensor) -> None:
+def put_nonfinite(out: dict[str, float], base: str, nonfinite: Tensor) -> None:
+    """Add ``{base}/nonfinite`` (heads pooled) to ``out`` when any query was left out as non-finite."""
     if nonfinite.sum() > 0:
         out[f"{base}/nonfinite"] = float(nonfinite.sum())
 
@@ -655,7 +661,7 @@ class AttentionEntropy(LayerMetric):
 
     def compute(self) -> EntropySummary:
         """Summary of everything accumulated since the last reset (collective under DDP)."""
-        return EntropySummary(self.layers, _heads(self), self.statistics(), self.max_nats)
+        return EntropySummary(self.layers, self.head_counts, self.statistics(), self.max_nats)
 
 
 def _head_histogram(values: Tensor, counted: Tensor, bins: int, high: float) -> Tensor:
@@ -688,7 +694,7 @@ class MassSummary(_Summary):
         medians, tails, head_means = self.layer_quantile(0.5), self.layer_quantile(0.95), self.mean
         for index, key in enumerate(self.layers):
             base = f"{prefix}_{key}"
-            _put_nonfinite(out, base, self.nonfinite[index])
+            put_nonfinite(out, base, self.nonfinite[index])
             if self.count[index].sum() == 0:
                 continue
             out[f"{base}/mean"] = float(self.layer_mean[index])
@@ -779,8 +785,4 @@ class AttentionMass(LayerMetric):
 
     def compute(self) -> MassSummary:
         """Summary of everything accumulated since the last reset (collective under DDP)."""
-        return MassSummary(self.layers, _heads(self), self.statistics())
-
-
-def _heads(metric: LayerMetric) -> list[int]:
-    return [metric.num_heads(layer) for layer in metric.layers]
+        return MassSummary(self.layers, self.head_counts, self.statistics())
