@@ -10,7 +10,7 @@ from torch import Tensor
 
 from attn_monitor.calls import AttentionCall
 from attn_monitor.flex import score_mod_lse_entropy
-from attn_monitor.functional import Method, attention_entropy, entropy_from_qk
+from attn_monitor.functional import Method, all_finite, attention_entropy, entropy_from_qk
 from attn_monitor.metric import AttentionEntropy
 from attn_monitor.shared import WarnOnce
 
@@ -95,10 +95,8 @@ def without_nonfinite(call: AttentionCall) -> tuple[AttentionCall, Tensor | None
     entropy functions from raising; those queries' values are discarded.
     None when every value is finite.
     """
-    # A sum is NaN or inf when any term is (or, harmlessly, when it overflows), and far cheaper
-    # than an elementwise isfinite on CPU; the exact check runs only when it fails.
     if call.probs is not None:
-        if bool(torch.isfinite(call.probs.sum(dtype=torch.float32))):
+        if all_finite(call.probs):
             return call, None
         bad = ~torch.isfinite(call.probs)
         reached = (bad & call.support.dense()).any(-1) | bad.all(-1)
@@ -106,7 +104,7 @@ def without_nonfinite(call: AttentionCall) -> tuple[AttentionCall, Tensor | None
         return replace(call, probs=probs), reached
     if call.q is None or call.k is None:
         return call, None
-    if bool(torch.isfinite(call.q.sum(dtype=torch.float32) + call.k.sum(dtype=torch.float32))):
+    if all_finite(call.q) and all_finite(call.k):
         return call, None
     bad_q, bad_k = (~torch.isfinite(t.sum(-1, dtype=torch.float32)) for t in (call.q, call.k))
     if not (bad_q.any() or bad_k.any()):

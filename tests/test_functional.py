@@ -774,6 +774,15 @@ def test_non_finite_input_raises_naming_the_argument(function: str, path: dict, 
         QK_FUNCTIONS[function](q, k, **kwargs, **path)
 
 
+def test_finite_input_whose_sum_overflows_is_accepted() -> None:
+    """The finite check sums first; a sum that overflows on finite values must not read as bad input."""
+    q = torch.full((1, 1, 4, 2), 3.0e38)  # every value finite, their float32 sum is inf
+    k = torch.zeros(1, 1, 4, 2)  # equal logits: uniform over the visible keys
+    assert not torch.isfinite(q.sum())
+    want = torch.tensor([[[1.0, 2, 3, 4]]], dtype=torch.float64).log()
+    assert_entropy_close(entropy_from_qk(q, k, is_causal=True), want)
+
+
 @pytest.mark.parametrize("scale", [True, "0.5", torch.tensor(0.5)], ids=["bool", "str", "tensor"])
 def test_scale_of_the_wrong_type_raises(scale: object) -> None:
     with pytest.raises(TypeError, match="`scale`"):
