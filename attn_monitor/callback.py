@@ -17,11 +17,12 @@ own, and the data flows one way through them:
   and pictures; :class:`~attn_monitor.comparison.SummaryArchive`: what is saved.
 
 At the end of a monitored validation run every rank computes each stream's
-summary (a collective) and logs its scalars with ``LightningModule.log``, so
+summary (a collective) and logs its means with ``LightningModule.log``, so
 they reach ``trainer.callback_metrics`` (``EarlyStopping`` and
 ``ModelCheckpoint`` can monitor them) and every logger at the step of the
-module's own validation metrics; rank zero writes the rest at that step, and
-the streams are reset.
+module's own validation metrics; rank zero writes the other scalars and the
+rest at that step, and the streams are reset. When training ends, each
+layer's heads-over-training picture is written once.
 Outside recorded batches the capture's hooks pass straight through.
 """
 
@@ -44,7 +45,7 @@ from attn_monitor.calls import Adapter
 from attn_monitor.capture import AttentionCapture, nothing_captured_message
 from attn_monitor.comparison import SummaryArchive
 from attn_monitor.head_stats import StatisticsSummary
-from attn_monitor.loggers import Dashboards, LogOptions, send_alert, warn_scalars_only
+from attn_monitor.loggers import Dashboards, LogOptions, in_callback_metrics, send_alert, warn_scalars_only
 from attn_monitor.metric import EntropySummary
 from attn_monitor.recording import BatchMask, Recorder
 from attn_monitor.schedule import BatchSchedule
@@ -340,13 +341,15 @@ class AttentionEntropyMonitor(Callback):
                     )
                 continue
             scalars = self.options.scalars(summary, extra_scalars=extra, suffix=suffix)
+            watched = {name: value for name, value in scalars.items() if in_callback_metrics(name, suffix)}
             # Every rank logs the same (already reduced) values, so every rank's callback_metrics hold them.
-            pl_module.log_dict(scalars, on_step=False, on_epoch=True, add_dataloader_idx=False, sync_dist=False)
+            pl_module.log_dict(watched, on_step=False, on_epoch=True, add_dataloader_idx=False, sync_dist=False)
             if not trainer.is_global_zero:
                 continue
             warn_scalars_only(trainer.loggers, bool(self.options.histogram_bins) or self.options.heatmap)
             step = lightning_log_step(trainer)
-            self.dashboards.write(trainer.loggers, summary, step, scalar_names=scalars, suffix=suffix)
+            rest = {name: value for name, value in scalars.items() if name not in watched}
+            self.dashboards.write(trainer.loggers, summary, step, scalars=rest, scalar_names=scalars, suffix=suffix)
             if self.save_summaries:
                 archive = SummaryArchive(os.path.join(trainer.log_dir or trainer.default_root_dir, "attn_entropy"))
                 archive.save(summary, trainer.current_epoch, index if count > 1 else None)
@@ -375,6 +378,11 @@ class AttentionEntropyMonitor(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A module whose on_train_batch_start returns -1 ends the epoch without on_train_batch_end.
         self._finish_training_record(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.dashboards.write_history(trainer.loggers)
 
     def _finish_training_record(self, trainer: pl.Trainer) -> None:
         if not self._training_step:

@@ -271,6 +271,16 @@ class MemoryLogger(Logger):
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         self.records.append((step, dict(metrics)))
 
+    def merged_records(self) -> list[tuple[int | None, dict[str, float]]]:
+        """``records``, consecutive calls at one step merged (Lightning and the monitor each write part of it)."""
+        merged: list[tuple[int | None, dict[str, float]]] = []
+        for step, metrics in self.records:
+            if merged and merged[-1][0] == step:
+                merged[-1][1].update(metrics)
+            else:
+                merged.append((step, dict(metrics)))
+        return merged
+
     def steps_of(self, name: str) -> list[int | None]:
         """Steps at which ``name`` was logged, in order."""
         return [step for step, metrics in self.records if name in metrics]

@@ -208,7 +208,10 @@ def test_scalars_histograms_and_pictures_share_val_loss_steps(fit_run: Fit) -> N
     for tag in tags["histograms"]:
         assert [e.step for e in accumulator.Histograms(tag)] == steps, tag
     for tag in tags["images"]:
-        assert [e.step for e in accumulator.Images(tag)] == steps, tag
+        # The heads-over-training pictures hold the whole history: written once, when training ends.
+        want = steps[-1:] if tag.endswith("/over_training") else steps
+        assert [e.step for e in accumulator.Images(tag)] == want, tag
+    assert {t for t in tags["images"] if t.endswith("/over_training")}, "no heads-over-training picture"
 
 
 def test_main_group_has_per_layer_statistics_only(fit_run: Fit) -> None:
@@ -313,7 +316,7 @@ def test_wandb_per_head_chart_and_alerts(fit_run: Fit) -> None:
     for layer in lm.GPT_LAYERS:
         key = f"{PREFIX}_heads/{layer}/chart_table"
         charts = [row for row in rows if key in row]
-        assert [row["trainer/global_step"] for row in charts] == STEPS
+        assert [row["trainer/global_step"] for row in charts] == STEPS[-1:]  # once, when training ends
         table = json.loads((run_dir / "files" / charts[-1][key]["path"]).read_text())
         assert table["columns"] == ["step", "lineKey", "lineVal"]
         lines: dict[str, dict[int, float]] = {}
@@ -357,6 +360,12 @@ def test_early_stopping_and_checkpoint_monitor_entropy(tmp_path: Path) -> None:
     assert os.path.isfile(checkpoint.best_model_path)
     # The monitor's values are logged together with the module's own validation loss, in one record.
     assert all("val_loss" in m for _, m in logger.records if f"{PREFIX}/mean" in m)
+    # callback_metrics hold the means (what a callback would watch); the other scalars reach the logger at that step.
+    watched = {name for name in trainer.callback_metrics if name.startswith(PREFIX)}
+    assert watched == {f"{PREFIX}/mean"} | {f"{PREFIX}/{layer}/mean" for layer in lm.GPT_LAYERS}
+    for step, metrics in logger.merged_records():
+        if f"{PREFIX}/mean" in metrics:
+            assert {f"{PREFIX}/{layer}/q50" for layer in lm.GPT_LAYERS} <= set(metrics), step
 
 
 def test_layout_keeps_validation_dataloaders_apart() -> None:
