@@ -276,7 +276,7 @@ LARGE_LOGIT = 128.0
 KernelCall = tuple[int, int, int, int, Tensor | None, bool]
 
 
-def _kernel_calls(support: Support, dtype: torch.dtype, block: int | None = None) -> list[KernelCall]:
+def _kernel_calls(support: Support, dtype: torch.dtype) -> list[KernelCall]:
     """The support as fused kernels take it, never wider than the mask itself.
 
     Causal order stays a flag and a key mask stays (B, 1, 1, Nk). A window or
@@ -284,7 +284,7 @@ def _kernel_calls(support: Support, dtype: torch.dtype, block: int | None = None
     block may see, each with its own small mask: hidden blocks are skipped
     and no N x N tensor is built. Only an explicit N x N mask is passed whole.
     """
-    block = QUERY_BLOCK if block is None else block
+    block = QUERY_BLOCK
     if support.window is None and support.document_ids is None:
         attn_mask, is_causal = support.additive_mask(dtype)
         return [(0, support.num_queries, 0, support.num_keys, attn_mask, is_causal)]
@@ -355,7 +355,7 @@ def _cuda_attention(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, 
 _KERNELS = {"cpu": _cpu_attention, "cuda": _cuda_attention}
 
 
-def _fused_lse(q: Tensor, k: Tensor, support: Support, scale: float = 1.0) -> tuple[Tensor, Tensor] | None:
+def _fused_lse(q: Tensor, k: Tensor, support: Support, scale: float) -> tuple[Tensor, Tensor] | None:
     """(output of attention with V = K, logsumexp) from fused kernels, or None where there is none.
 
     The CPU kernel returns NaN for causal rows with a mask when its scale is
@@ -596,7 +596,7 @@ def _qk_pass(
                 raise ValueError("`method='fused'` cannot take an additive bias in `mask`; use 'chunked' or 'auto'.")
         else:
             try:
-                fused = _fused_entropy(q, k, support, scale)
+                fused = _fused_entropy(q, k, support, scale, memory_budget)
             except RuntimeError as error:
                 if method == "fused":
                     raise
@@ -615,11 +615,13 @@ def _qk_pass(
     return _chunked_pass(q, k, support, scale, memory_budget)
 
 
-def _fused_entropy(q: Tensor, k: Tensor, support: Support, scale: float) -> tuple[Tensor, Tensor] | None:
+def _fused_entropy(
+    q: Tensor, k: Tensor, support: Support, scale: float, memory_budget: int
+) -> tuple[Tensor, Tensor] | None:
     """(logsumexp, entropy) by the fused kernels, or None where a device has none.
 
     Large logits (``LARGE_LOGIT``) take the exact route: the CPU kernel again
-    in float64, elsewhere the chunked path in float64, so the identity never
+    in float64, elsewhere the chunked path in float64 (under ``memory_budget``), so the identity never
     cancels two float32 numbers of ~1e4.
     """
     fused = _fused_lse(q, k, support, scale)
@@ -629,7 +631,7 @@ def _fused_entropy(q: Tensor, k: Tensor, support: Support, scale: float) -> tupl
     dtype = q.dtype
     if dtype != torch.float64 and _is_large(lse):
         if q.device.type != "cpu":
-            lse, entropy = _chunked_pass(q.double(), k.double(), support, scale, DEFAULT_MEMORY_BUDGET)
+            lse, entropy = _chunked_pass(q.double(), k.double(), support, scale, memory_budget)
             return lse.to(dtype), entropy.to(dtype)
         q, k = q.double(), k.double()
         out, lse = _fused_lse(q, k, support, scale) or (out, lse)

@@ -113,7 +113,7 @@ class BatchSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         """The random draws, so a resumed run records the same batches."""
-        return {"drawn": {int(k): list(v) for k, v in self._drawn.items()}, "seed": self.seed}
+        return {"drawn": {int(k): list(v) for k, v in self._drawn.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._drawn = {int(k): tuple(v) for k, v in state.get("drawn", {}).items()}

@@ -49,7 +49,9 @@ import torch
 import torch.nn.functional as F
 from common import cpu_model, put_peak_growth, run_children
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
+from attn_monitor import consumers
 from attn_monitor.capture import AttentionCapture
 
 BATCH, LAYERS, HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB = 2, 4, 256, 8, 4, 512, 1000
@@ -291,6 +293,53 @@ def mean_difference(setup: Setup) -> tuple[float, float]:
     return float(norm), float(nats)
 
 
+class _SdpaClock(TorchFunctionMode):
+    """Adds up the seconds spent in ``F.scaled_dot_product_attention`` calls (the model's own attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
+
+    def __torch_function__(self, func: Callable, types: object, args: tuple = (), kwargs: dict | None = None) -> object:
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def cost_split(setup: Setup, repeats: int) -> tuple[float, float]:
+    """(model's attention, the monitor's entropy pass) seconds per forward, medians over ``repeats``.
+
+    The first is timed in an unmonitored forward; the second adds up the
+    monitor's ``entropy_from_qk`` calls in a monitored one. One extra pass
+    over the model's q and k is the floor of the monitored / unmonitored
+    ratio: 1 + entropy pass / unmonitored forward.
+    """
+    attention, entropy = [], []
+    original = consumers.entropy_from_qk
+
+    def timed(*args: object, **kwargs: object) -> Tensor:
+        start = time.perf_counter()
+        out = original(*args, **kwargs)  # type: ignore[arg-type]
+        entropy[-1] += time.perf_counter() - start
+        return out
+
+    for _ in range(repeats):
+        clock = _SdpaClock()
+        with clock, torch.no_grad():
+            forward_sdpa(setup)
+        attention.append(clock.seconds)
+        entropy.append(0.0)
+        consumers.entropy_from_qk = timed  # type: ignore[assignment]
+        try:
+            run_path(setup, "monitored")
+        finally:
+            consumers.entropy_from_qk = original
+    return statistics.median(attention), statistics.median(entropy)
+
+
 # ------------------------------------------------------------------- memory
 def _peak_child(model: str, path: str, n: int, threads: int, queue: multiprocessing.Queue) -> None:
     torch.set_num_threads(threads)
@@ -341,12 +390,17 @@ def report(sizes: list[int], repeats: int, eager_repeats: int, profile: bool = F
         f"Times: median of {repeats} interleaved repeats (output_attentions: {eager_repeats} for N > "
         f"{EAGER_FULL_REPEATS_UP_TO}), as ratios to the unmonitored sdpa forward; idle = capture attached, "
         "not recording.",
+        "attention: the model's own SDPA calls, entropy pass: the monitor's `entropy_from_qk` calls, both as "
+        "fractions of the unmonitored forward (medians of the same repeats); floor = 1 + entropy pass, what "
+        "one extra pass over q and k costs; the rest of monitored - floor is the capture (reading q and k, the "
+        "support, the metric update).",
         "Memory: peak resident growth of one forward in a fresh child. max abs d mean: monitored vs dense "
         "per-layer entropy means (normalised / nats).",
         "",
-        "| model | N | unmonitored ms | idle x | monitored x | output_attentions x | output_attentions / monitored "
+        "| model | N | unmonitored ms | idle x | monitored x | attention | entropy pass | floor x "
+        "| output_attentions x | output_attentions / monitored "
         "| unmonitored MiB | monitored MiB | output_attentions MiB | max abs d mean |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     profiles = []
     for model in MODELS:
@@ -354,6 +408,7 @@ def report(sizes: list[int], repeats: int, eager_repeats: int, profile: bool = F
             setup = make_setup(model, n)
             norm_diff, nats_diff = mean_difference(setup)
             times = time_paths(setup, repeats, repeats if n <= EAGER_FULL_REPEATS_UP_TO else eager_repeats)
+            attention, entropy = cost_split(setup, repeats)
             if profile:
                 profiles.append(f"\nmonitored forward, {model}, N={n}:\n{profile_monitored(setup)}")
             del setup
@@ -361,6 +416,7 @@ def report(sizes: list[int], repeats: int, eager_repeats: int, profile: bool = F
             base = times["unmonitored"]
             lines.append(
                 f"| {model} | {n} | {base * 1e3:.1f} | {times['idle'] / base:.2f} | {times['monitored'] / base:.2f} "
+                f"| {attention / base:.2f} | {entropy / base:.2f} | {1 + entropy / base:.2f} "
                 f"| {times['output_attentions'] / base:.2f} | {times['output_attentions'] / times['monitored']:.2f} "
                 f"| {memory['unmonitored']:.0f} | {memory['monitored']:.0f} | {memory['output_attentions']:.0f} "
                 f"| {norm_diff:.1e} / {nats_diff:.1e} |"
