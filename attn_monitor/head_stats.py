@@ -142,17 +142,20 @@ class StatisticsSummary:
             ("distance", "mean", self.distance_count, self.distance_nonfinite, self.layer_distance, self.distance),
         )
         for family, statistic, count, nonfinite, layer_value, head_value in families:
+            # Each tensor to Python floats once: indexing element by element costs more than the math.
+            layer_count, layer_nonfinite = count.sum(-1).tolist(), nonfinite.sum(-1).tolist()
+            head_count, layer_values, head_values = count.tolist(), layer_value.tolist(), head_value.tolist()
             for index, layer in enumerate(self.layers):
                 base = f"{prefix}_{family}/{layer}"
-                put_nonfinite(out, base, nonfinite[index])
-                if count[index].sum() == 0:
+                put_nonfinite(out, base, layer_nonfinite[index])
+                if layer_count[index] == 0:
                     continue
-                out[f"{base}/{statistic}"] = float(layer_value[index])
+                out[f"{base}/{statistic}"] = layer_values[index]
                 if per_head:
                     for head in range(self.num_heads[index]):
-                        if count[index, head] > 0:
+                        if head_count[index][head] > 0:
                             name = f"{prefix}_{family}_heads/{layer}/head_{head}/{statistic}"
-                            out[name] = float(head_value[index, head])
+                            out[name] = head_values[index][head]
         return out
 
     def __repr__(self) -> str:
@@ -239,7 +242,7 @@ class AttentionStatistics(LayerMetric):
             value = value.detach().to(self.device, torch.float64)
             finite = torch.isfinite(value)
             counted = sample & finite
-            if name == "distance" and (value[counted] < -1e-6).any():
+            if name == "distance" and (counted & (value < -1e-6)).any():
                 raise ValueError("Expected `distance` >= 0 on counted queries (positions).")
             prefix = "logit" if name == "max_logit" else "distance"
             fields[f"{prefix}_count"] = counted.sum((0, 2))

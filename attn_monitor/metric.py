@@ -172,11 +172,15 @@ class LayerMetric(Metric):
                 them, max fields keep the elementwise maximum.
         """
         index, heads = self.layers.index(layer), self._layer_heads[layer]
+        rows = {state: getattr(self, state)[index, :heads] for state in _STATES}
         for name, value in values.items():
             state, columns, _ = self._fields[name]
-            target = getattr(self, state)[index, :heads, columns]
+            target = rows[state][:, columns]
             value = value.to(target).reshape(heads, -1)
-            target.copy_(target + value if state == "sums" else torch.maximum(target, value))
+            if state == "sums":
+                target.add_(value)
+            else:
+                target.copy_(torch.maximum(target, value))
 
     def statistics(self) -> dict[str, Tensor]:
         """Every field as a (layers, max heads, *field shape) float64 copy.
@@ -464,26 +468,29 @@ class EntropySummary(_Summary):
         """
         names = {q: quantile_name(q) for q in quantiles}
         out: dict[str, float] = {}
-        layer_quantiles = {q: self.layer_quantile(q) for q in quantiles}
-        head_median = self.quantile(0.5)
-        head_mean = self.mean
-        layer_count = self.count.sum(-1)
+        # Every tensor once, to Python floats once: indexing element by element costs more than the math.
+        pooled = self.histogram.sum(1)
+        layer_quantiles = {q: histogram_quantile(pooled, q).tolist() for q in quantiles}
+        head_median, head_mean, count = self.quantile(0.5).tolist(), self.mean.tolist(), self.count.tolist()
+        layer_count, nonfinite = self.count.sum(-1).tolist(), self.nonfinite.sum(-1).tolist()
+        layer_mean, layer_mean_seq = self.layer_mean.tolist(), self.layer_mean_seq.tolist()
+        layer_nats_mean = self.layer_nats_mean.tolist()
         for index, layer in enumerate(self.layers):
             base = f"{prefix}/{layer}"
-            put_nonfinite(out, base, self.nonfinite[index])
+            put_nonfinite(out, base, nonfinite[index])
             if layer_count[index] == 0:
                 continue
-            out[f"{base}/mean"] = float(self.layer_mean[index])
-            out[f"{base}/mean_seq"] = float(self.layer_mean_seq[index])
+            out[f"{base}/mean"] = layer_mean[index]
+            out[f"{base}/mean_seq"] = layer_mean_seq[index]
             for q, name in names.items():
-                out[f"{base}/{name}"] = float(layer_quantiles[q][index])
-            out[f"{base}/nats_mean"] = float(self.layer_nats_mean[index])
+                out[f"{base}/{name}"] = layer_quantiles[q][index]
+            out[f"{base}/nats_mean"] = layer_nats_mean[index]
             if per_head:
                 for head in range(self.num_heads[index]):
-                    if self.count[index, head] > 0:
-                        out[f"{base}/head_{head}/mean"] = float(head_mean[index, head])
-                        out[f"{base}/head_{head}/q50"] = float(head_median[index, head])
-        if self.count.sum() > 0:
+                    if count[index][head] > 0:
+                        out[f"{base}/head_{head}/mean"] = head_mean[index][head]
+                        out[f"{base}/head_{head}/q50"] = head_median[index][head]
+        if sum(layer_count) > 0:
             out[f"{prefix}/mean"] = self.overall_mean
         return out
 
@@ -494,10 +501,10 @@ class EntropySummary(_Summary):
         )
 
 
-def put_nonfinite(out: dict[str, float], base: str, nonfinite: Tensor) -> None:
-    """Add ``{base}/nonfinite`` (heads pooled) to ``out`` when any query was left out as non-finite."""
-    if nonfinite.sum() > 0:
-        out[f"{base}/nonfinite"] = float(nonfinite.sum())
+def put_nonfinite(out: dict[str, float], base: str, nonfinite: float) -> None:
+    """Add ``{base}/nonfinite``, the count of queries left out as non-finite (heads pooled), when there were any."""
+    if nonfinite > 0:
+        out[f"{base}/nonfinite"] = nonfinite
 
 
 def quantile_name(q: float) -> str:
@@ -620,38 +627,41 @@ class AttentionEntropy(LayerMetric):
         if (num_valid < 0).any():
             raise ValueError(f"Expected `num_valid` >= 0, got minimum {int(num_valid.min())}.")
         entropy = entropy.detach().to(self.device, torch.float64)
-        num_valid = num_valid.to(self.device).expand(entropy.shape)
+        num_valid = num_valid.to(self.device)
+        limit = num_valid.to(torch.float64).clamp(min=1).log()  # the largest entropy over num_valid keys
+        # The masks are built at full size: they set the memory layout of the sums below, and with it the
+        # order of their additions (their last bits).
+        full = num_valid.expand(entropy.shape)
         real = torch.ones_like(entropy, dtype=torch.bool) if is_sample is None else is_sample.to(self.device)
         real = real.expand(entropy.shape)
-        single, empty = real & (num_valid == 1), real & (num_valid == 0)
-        counted = real & (num_valid > 1)
+        has_choice = full > 1
+        single, empty = real & (full == 1), real & (full == 0)
+        counted = real & has_choice
         if self.include_single_key:
             counted = counted | single
         finite = torch.isfinite(entropy)
         nonfinite, counted = counted & ~finite, counted & finite
-        values = entropy[counted]
-        limit = num_valid[counted].to(torch.float64).clamp(min=1).log()
+        # Zero outside the counted queries: no NaN or out-of-range value goes any further.
+        values = torch.where(counted, entropy, 0.0)
         if (values < -1e-4).any() or (values > limit + 1e-3).any():
             raise ValueError("`entropy` must lie in [0, ln(num_valid)] on counted queries (nats, not normalised).")
         self.register_layer(layer, entropy.shape[1])
 
-        normalized = torch.where(
-            counted & (num_valid > 1), normalize_entropy(entropy, num_valid), torch.zeros_like(entropy)
-        )
-        nats = torch.where(counted, entropy.clamp(min=0.0), torch.zeros_like(entropy))
+        normalized = torch.where(counted & has_choice, normalize_entropy(values, num_valid), 0.0)
+        nats = values.clamp(min=0.0)
         weight = counted.to(torch.float64)
 
         per_sequence = weight.sum(2)
         has_queries = per_sequence > 0
-        sequence_mean = (normalized * weight).sum(2) / per_sequence.clamp(min=1)
+        sequence_mean = normalized.sum(2) / per_sequence.clamp(min=1)
         self.accumulate(
             layer,
-            hist=_head_histogram(normalized, counted, self.num_bins, 1.0),
-            hist_nats=_head_histogram(nats, counted, self.nats_bins, self.max_nats),
-            count=weight.sum((0, 2)),
-            sum=(normalized * weight).sum((0, 2)),
-            sum_sq=(normalized.square() * weight).sum((0, 2)),
-            sum_nats=(nats * weight).sum((0, 2)),
+            hist=_head_histogram(normalized, weight, self.num_bins, 1.0),
+            hist_nats=_head_histogram(nats, weight, self.nats_bins, self.max_nats),
+            count=per_sequence.sum(0),
+            sum=normalized.sum((0, 2)),
+            sum_sq=normalized.square().sum((0, 2)),
+            sum_nats=nats.sum((0, 2)),
             seq_sum=torch.where(has_queries, sequence_mean, 0.0).sum(0),
             seq_count=has_queries.sum(0),
             single_key=single.sum((0, 2)),
@@ -664,13 +674,20 @@ class AttentionEntropy(LayerMetric):
         return EntropySummary(self.layers, self.head_counts, self.statistics(), self.max_nats)
 
 
-def _head_histogram(values: Tensor, counted: Tensor, bins: int, high: float) -> Tensor:
-    """(heads, bins) counts of ``values[counted]`` in equal bins over [0, high]."""
+def _head_histogram(values: Tensor, weight: Tensor, bins: int, high: float) -> Tensor:
+    """(heads, bins) float64 counts of ``values`` in equal bins over [0, high], each value counted ``weight`` times.
+
+    ``values`` and ``weight`` are (batch, heads, query); ``values`` must be
+    finite everywhere (hold 0 where ``weight`` is 0): a NaN has no bin.
+    """
     heads = values.shape[1]
-    bin_index = (values / high * bins).floor().clamp(0, bins - 1).to(torch.int64)
-    head_index = torch.arange(heads, device=values.device)[None, :, None].expand_as(bin_index)
-    flat = (head_index * bins + bin_index)[counted]
-    return torch.bincount(flat, minlength=heads * bins).reshape(heads, bins).to(torch.float64)
+    # Clamped first, the truncation of `to` is the floor.
+    bin_index = (values / high * bins).clamp(0, bins - 1).to(torch.int64)
+    first_bin = torch.arange(0, heads * bins, bins, device=values.device)[:, None]
+    flat = (bin_index + first_bin).reshape(-1)
+    # Weights of 0 and 1 instead of a boolean index, which costs a pass to find the kept entries;
+    # float64 sums of ones are exact counts.
+    return torch.bincount(flat, weights=weight.reshape(-1), minlength=heads * bins).reshape(heads, bins)
 
 
 def _describe(value: object) -> str:
@@ -691,21 +708,24 @@ class MassSummary(_Summary):
         (and ``/head_{h}/mean`` with ``per_head``); keys with no counted query are left out.
         ``/nonfinite`` counts queries left out for a NaN or infinite mass, where there were any."""
         out: dict[str, float] = {}
-        medians, tails, head_means = self.layer_quantile(0.5), self.layer_quantile(0.95), self.mean
+        medians, tails = self.layer_quantile(0.5).tolist(), self.layer_quantile(0.95).tolist()
+        mean = self.mean
+        head_means, peaks, count = mean.tolist(), mean.nan_to_num(nan=-math.inf).tolist(), self.count.tolist()
+        layer_count, nonfinite = self.count.sum(-1).tolist(), self.nonfinite.sum(-1).tolist()
+        layer_mean = self.layer_mean.tolist()
         for index, key in enumerate(self.layers):
             base = f"{prefix}_{key}"
-            put_nonfinite(out, base, self.nonfinite[index])
-            if self.count[index].sum() == 0:
+            put_nonfinite(out, base, nonfinite[index])
+            if layer_count[index] == 0:
                 continue
-            out[f"{base}/mean"] = float(self.layer_mean[index])
-            out[f"{base}/q50"] = float(medians[index])
-            out[f"{base}/q95"] = float(tails[index])
-            heads = head_means[index, : self.num_heads[index]]
-            out[f"{base}/max_head_mean"] = float(heads.nan_to_num(nan=-math.inf).max())
+            out[f"{base}/mean"] = layer_mean[index]
+            out[f"{base}/q50"] = medians[index]
+            out[f"{base}/q95"] = tails[index]
+            out[f"{base}/max_head_mean"] = max(peaks[index][: self.num_heads[index]])
             if per_head:
                 for head in range(self.num_heads[index]):
-                    if self.count[index, head] > 0:
-                        out[f"{base}/head_{head}/mean"] = float(head_means[index, head])
+                    if count[index][head] > 0:
+                        out[f"{base}/head_{head}/mean"] = head_means[index][head]
         return out
 
     def __repr__(self) -> str:
@@ -768,18 +788,19 @@ class AttentionMass(LayerMetric):
         sample = torch.ones_like(mass, dtype=torch.bool) if is_sample is None else is_sample.to(self.device)
         finite = torch.isfinite(mass)
         nonfinite, counted = sample & ~finite, sample & finite
-        values = mass[counted]
+        # Zero outside the counted queries: no NaN or out-of-range value goes any further.
+        values = torch.where(counted, mass, 0.0)
         if (values < -1e-6).any() or (values > 1 + 1e-6).any():
             raise ValueError("Expected `mass` in [0, 1] on counted queries.")
         self.register_layer(key, mass.shape[1])
-        mass = torch.where(counted, mass.clamp(0.0, 1.0), torch.zeros_like(mass))
+        mass = values.clamp(0.0, 1.0)
         weight = counted.to(torch.float64)
         self.accumulate(
             key,
-            hist=_head_histogram(mass, counted, self.num_bins, 1.0),
-            count=weight.sum((0, 2)),
-            sum=(mass * weight).sum((0, 2)),
-            sum_sq=(mass.square() * weight).sum((0, 2)),
+            hist=_head_histogram(mass, weight, self.num_bins, 1.0),
+            count=counted.sum((0, 2)),
+            sum=mass.sum((0, 2)),
+            sum_sq=mass.square().sum((0, 2)),
             nonfinite=nonfinite.sum((0, 2)),
         )
 

@@ -159,6 +159,7 @@ def test_streaming_updates_equal_the_reference_on_the_concatenated_data() -> Non
         assert scalars[f"attn_max_logit_heads/layer.0/head_{head}/max"] == pytest.approx(pooled.head_max()[head])
         assert scalars[f"attn_distance_heads/layer.0/head_{head}/mean"] == pytest.approx(pooled.head_mean()[head])
     assert "attn_max_logit/layer.1/max" not in scalars and "attn_distance/layer.1/mean" in scalars
+    assert all(type(value) is float for value in scalars.values())
     assert not any("_heads/" in name for name in summary.to_dict(per_head=False))
 
     metric.reset()
@@ -189,6 +190,9 @@ def test_metric_rejects_bad_input() -> None:
         metric.update("x", distance=-torch.ones(1, 2, 3))
     with pytest.raises(ValueError, match="is_sample"):
         metric.update("x", distance=torch.ones(1, 2, 3), is_sample=torch.ones(1, 2, 5, dtype=torch.bool))
+    # A negative distance on a query that is not a sample is ignored, not an error.
+    metric.update("x", distance=torch.tensor([[[-1.0, 2.0]]]), is_sample=torch.tensor([False, True]))
+    assert metric.compute().distance.tolist() == [[2.0]]
 
 
 # --------------------------------------------------------------------------- distance from probabilities

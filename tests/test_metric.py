@@ -385,6 +385,36 @@ def test_ignored_queries_never_produce_nan() -> None:
     assert summary.to_dict() == {}
 
 
+@pytest.mark.parametrize("include_single_key", [False, True], ids=["single_key_excluded", "single_key_included"])
+def test_ignored_queries_leave_the_state_bit_for_bit_untouched(include_single_key: bool) -> None:
+    """Whatever ignored queries hold (NaN, inf, values no bin could take) the state is that of zeros there."""
+    entropy = torch.tensor([[[0.5, 0.0, 0.3, 0.1, 1.0, 0.2], [1.2, 0.0, 0.0, 0.7, 0.4, 0.0]]], dtype=torch.float64)
+    num_valid = torch.tensor([4, 1, 0, 5, 3, 8])
+    is_sample = torch.tensor([True, True, True, True, True, False])
+    ignored = torch.tensor([[[False, not include_single_key, True, False, False, True]]]).expand(1, 2, 6)
+    states = []
+    for garbage in (0.0, math.nan, math.inf, -math.inf, 1e300, -1e300):
+        metric = AttentionEntropy(num_bins=10, nats_bins=10, max_keys=8, include_single_key=include_single_key)
+        metric.update("layer", entropy.masked_fill(ignored, garbage), num_valid, is_sample)
+        states.append(metric.sums)
+    assert all(torch.equal(state, states[0]) for state in states)
+    summary = metric.compute()
+    assert summary.count.tolist() == [[3 + include_single_key] * 2]
+    assert summary.histogram.sum().item() == summary.count.sum().item()
+
+
+def test_mass_of_non_samples_leaves_the_state_bit_for_bit_untouched() -> None:
+    mass = torch.tensor([[[0.5, 0.0, 1.0, 0.25]]], dtype=torch.float64)
+    is_sample = torch.tensor([True, False, True, False])
+    states = []
+    for garbage in (0.0, math.nan, math.inf, -1e300, 7.0):
+        metric = AttentionMass(num_bins=8)
+        metric.update("sink_mass/x", mass.masked_fill(~is_sample, garbage), is_sample)
+        states.append(metric.sums)
+    assert all(torch.equal(state, states[0]) for state in states)
+    assert metric.compute().histogram.tolist() == [[[0, 0, 0, 0, 1, 0, 0, 1]]]
+
+
 def test_empty_batch_is_a_no_op() -> None:
     metric = AttentionEntropy()
     metric.update("layer", torch.zeros(0, 2, 5), torch.tensor(3))
@@ -723,6 +753,15 @@ def test_nonfinite_entropy_is_skipped_and_counted_per_head() -> None:
     # Finite values out of range still raise, whatever else the batch holds.
     with pytest.raises(ValueError, match="must lie in"):
         metric.update("a", torch.tensor([[[nan, -0.5]]]).expand(1, 2, 2), torch.tensor(4))
+
+
+def test_to_dict_values_are_python_floats() -> None:
+    entropy_metric, mass_metric = AttentionEntropy(), AttentionMass()
+    entropy_metric.update("a", torch.tensor([[[0.5, math.nan], [1.0, 0.2]]]), torch.tensor(4))
+    mass_metric.update("sink_mass/a", torch.tensor([[[0.5, math.nan], [1.0, 0.2]]]))
+    for out in (entropy_metric.compute().to_dict(), mass_metric.compute().to_dict(per_head=True)):
+        assert out and all(type(value) is float for value in out.values())
+        assert any(name.endswith("/nonfinite") for name in out)
 
 
 def test_nonfinite_mass_is_skipped_and_counted_per_head() -> None:
