@@ -671,9 +671,13 @@ def histogram_quantile(counts: Tensor, q: float, *, low: float = 0.0, high: floa
     total = counts.sum(-1, keepdim=True)
     cumulative = counts.cumsum(-1)
     target = q * total
-    # First bin whose cumulative count reaches the target (skipping empty leading bins at q = 0).
-    reached = (cumulative >= target) & (counts > 0)
-    index = reached.to(torch.int64).argmax(-1, keepdim=True)
+    # The first bin whose cumulative count reaches the target holds counts, but at a target of 0
+    # (q = 0) that is the first non-empty bin: the first whose cumulative count exceeds 0.
+    index = torch.where(
+        target > 0,
+        torch.searchsorted(cumulative, target, side="left"),
+        torch.searchsorted(cumulative, torch.zeros_like(target), side="right"),
+    ).clamp(max=bins - 1)
     before = cumulative.gather(-1, index) - counts.gather(-1, index)
     inside = counts.gather(-1, index)
     fraction = ((target - before) / torch.where(inside > 0, inside, torch.ones_like(inside))).clamp(0.0, 1.0)
