@@ -36,7 +36,7 @@ from torch import Tensor
 from attn_monitor.calls import AttentionCall
 from attn_monitor.consumers import without_nonfinite
 from attn_monitor.functional import attention_distance, attention_max_logit, broadcasts_to, restrict_to_support
-from attn_monitor.metric import LayerMetric, put_nonfinite
+from attn_monitor.metric import LayerMetric, copy_statistics, put_nonfinite
 from attn_monitor.shared import WarnOnce
 
 __all__ = ["AttentionStatistics", "StatisticsSummary", "StatisticsUpdate", "distance_from_probs"]
@@ -96,7 +96,7 @@ class StatisticsSummary:
     def __init__(self, layers: Sequence[str], num_heads: Sequence[int], stats: Mapping[str, Tensor]) -> None:
         self.layers = list(layers)
         self.num_heads = list(num_heads)
-        self._stats = {name: value.detach().to("cpu", torch.float64, copy=True) for name, value in stats.items()}
+        self._stats = copy_statistics(stats)
 
     logit_count = property(lambda self: self._stats["logit_count"])
     logit_nonfinite = property(lambda self: self._stats["logit_nonfinite"])
@@ -264,7 +264,7 @@ class AttentionStatistics(LayerMetric):
 
     def compute(self) -> StatisticsSummary:
         """Summary of everything accumulated since the last reset (collective under DDP)."""
-        return StatisticsSummary(self.layers, self.head_counts, self.statistics())
+        return StatisticsSummary(self.layers, self.head_counts, self._field_views())
 
 
 class StatisticsUpdate:

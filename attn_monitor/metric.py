@@ -24,19 +24,12 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from attn_monitor.functional import broadcasts_to, histogram_quantile, normalize_entropy
+from attn_monitor.shared import check_int
 
 __all__ = ["AttentionEntropy", "AttentionMass", "EntropySummary", "LayerMetric", "MassSummary"]
 
 #: state -> (torchmetrics reduction, value of an empty slot)
 _STATES = {"sums": ("sum", 0.0), "maxes": ("max", -math.inf)}
-
-
-def _check_positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"Expected `{name}` to be an int, got {type(value).__name__} {value!r}.")
-    if value < minimum:
-        raise ValueError(f"Expected `{name}` to be an int >= {minimum}, got {value!r}.")
-    return value
 
 
 class LayerMetric(Metric):
@@ -154,7 +147,7 @@ class LayerMetric(Metric):
         """
         if not isinstance(name, str) or not name:
             raise TypeError(f"Expected a non-empty layer name (str), got {name!r}.")
-        _check_positive_int("num_heads", num_heads)
+        check_int("num_heads", num_heads, 1)
         if name in self._layer_heads:
             if self._layer_heads[name] != num_heads:
                 raise ValueError(
@@ -187,10 +180,14 @@ class LayerMetric(Metric):
 
         Head slots a layer lacks hold 0 in sum fields and ``-inf`` in max fields.
         """
+        return {name: values.clone() for name, values in self._field_views().items()}
+
+    def _field_views(self) -> dict[str, Tensor]:
+        """Every field as a view of the state (summaries copy what they keep: one copy, not two)."""
         out = {}
         for name, (state, columns, shape) in self._fields.items():
             values = getattr(self, state)[:, :, columns]
-            out[name] = values.reshape(*values.shape[:2], *shape).clone()
+            out[name] = values.reshape(*values.shape[:2], *shape)
         return out
 
     def _lay_out(self, rows: Sequence[str], layers: Mapping[str, int]) -> None:
@@ -317,13 +314,18 @@ def _arrange(rows: Tensor, names: Sequence[str], layers: Mapping[str, int], fill
     return out
 
 
+def copy_statistics(stats: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """What a summary keeps of a metric's fields: float64 copies on the CPU, detached."""
+    return {name: value.detach().to("cpu", torch.float64, copy=True) for name, value in stats.items()}
+
+
 class _Summary:
     """Statistics shared by every summary: (layer, head) sums, counts and histograms on [0, 1]."""
 
     def __init__(self, layers: Sequence[str], num_heads: Sequence[int], stats: Mapping[str, Tensor]) -> None:
         self.layers = list(layers)
         self.num_heads = list(num_heads)
-        self._stats = {name: value.detach().to("cpu", torch.float64, copy=True) for name, value in stats.items()}
+        self._stats = copy_statistics(stats)
         self._stats.setdefault("nonfinite", torch.zeros_like(self._stats["count"]))
 
     histogram = property(lambda self: self._stats["hist"])
@@ -569,9 +571,9 @@ class AttentionEntropy(LayerMetric):
         include_single_key: bool = False,
         **kwargs: Any,
     ) -> None:
-        self.num_bins = _check_positive_int("num_bins", num_bins)
-        self.nats_bins = _check_positive_int("nats_bins", nats_bins)
-        self.max_keys = _check_positive_int("max_keys", max_keys, minimum=2)
+        self.num_bins = check_int("num_bins", num_bins, 1)
+        self.nats_bins = check_int("nats_bins", nats_bins, 1)
+        self.max_keys = check_int("max_keys", max_keys, 2)
         self.max_nats = math.log(self.max_keys)
         self.include_single_key = bool(include_single_key)
         per_head = ("count", "sum", "sum_sq", "sum_nats", "seq_sum", "seq_count", "single_key", "no_key", "nonfinite")
@@ -671,7 +673,7 @@ class AttentionEntropy(LayerMetric):
 
     def compute(self) -> EntropySummary:
         """Summary of everything accumulated since the last reset (collective under DDP)."""
-        return EntropySummary(self.layers, self.head_counts, self.statistics(), self.max_nats)
+        return EntropySummary(self.layers, self.head_counts, self._field_views(), self.max_nats)
 
 
 def _head_histogram(values: Tensor, weight: Tensor, bins: int, high: float) -> Tensor:
@@ -755,7 +757,7 @@ class AttentionMass(LayerMetric):
     """
 
     def __init__(self, layers: Mapping[str, int] | None = None, *, num_bins: int = 1000, **kwargs: Any) -> None:
-        self.num_bins = _check_positive_int("num_bins", num_bins)
+        self.num_bins = check_int("num_bins", num_bins, 1)
         per_head = dict.fromkeys(("count", "sum", "sum_sq", "nonfinite"), ())
         super().__init__(
             layers, sum_fields={"hist": (self.num_bins,), **per_head}, config={"num_bins": self.num_bins}, **kwargs
@@ -806,4 +808,4 @@ class AttentionMass(LayerMetric):
 
     def compute(self) -> MassSummary:
         """Summary of everything accumulated since the last reset (collective under DDP)."""
-        return MassSummary(self.layers, self.head_counts, self.statistics())
+        return MassSummary(self.layers, self.head_counts, self._field_views())

@@ -29,12 +29,12 @@ def check_int(name: str, value: object, minimum: int) -> int:
         >>> check_int("batches", 0, 1)
         Traceback (most recent call last):
         ...
-        ValueError: Expected `batches` >= 1, got 0.
+        ValueError: Expected `batches` to be an int >= 1, got 0.
     """
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"Expected `{name}` to be an int, got {type(value).__name__} {value!r}.")
     if value < minimum:
-        raise ValueError(f"Expected `{name}` >= {minimum}, got {value}.")
+        raise ValueError(f"Expected `{name}` to be an int >= {minimum}, got {value!r}.")
     return value
 
 

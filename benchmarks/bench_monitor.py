@@ -20,6 +20,11 @@ Three measurements on the demo model of ``examples/train_tiny_gpt.py`` (a
   timed against ``compute()`` on an unsynced copy of the same state, and the
   ``torch.distributed`` calls it makes are counted: three collectives
   whatever the number of layers.
+* **(d) fixed cost at 32 layers x 32 heads**: ``Trainer.validate`` of a model
+  with 32 attention layers of 32 heads and next to no compute, unmonitored
+  vs monitored (one recorded batch) with default logging and scalars only:
+  what the epoch-end work (compute, alerts, 2300 scalars, histograms, the
+  heatmap) costs however big the model.
 
 Times are from interleaved repeats (the order changes every repeat); ratios
 and differences are medians of per-repeat pairs measured side by side, so
@@ -449,6 +454,80 @@ def machine(threads: int) -> str:
     return f"{cpu_model()}, {os.cpu_count()} logical CPUs, {threads} torch thread(s), torch {torch.__version__}"
 
 
+# ------------------------------------------------------------ (d) fixed cost at 32 x 32
+class WideModel(pl.LightningModule):
+    """``layers`` causal self-attention blocks of ``heads`` heads of dimension 2: many heads, little compute."""
+
+    def __init__(self, layers: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(2 * heads, 6 * heads) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        for block in self.blocks:
+            q, k, v = block(x).view(batch, length, 3, self.heads, 2).permute(2, 0, 3, 1, 4)
+            attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + attended.transpose(1, 2).reshape(batch, length, -1)
+        return x
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self(batch[0]).square().mean())
+
+
+def bench_fixed_cost(layers: int, heads: int, repeats: int, threads: int) -> str:
+    """Per-validation fixed cost of the monitor on a model of ``layers`` x ``heads`` with next to no compute."""
+    pl.seed_everything(0, verbose=False)
+    model = WideModel(layers, heads)
+    with torch.no_grad():
+        for block in model.blocks:  # spread attention: some heads sharp, some flat
+            block.weight.mul_(4.0)
+    loader = DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 16, 2 * heads)), batch_size=4)
+    configs = {
+        "no monitor": None,
+        "default logging": {},
+        "scalars only": {"histogram_bins": None, "heatmap": False},
+    }
+    with tempfile.TemporaryDirectory() as logdir:
+        trainers = {
+            name: _trainer(
+                logger=TensorBoardLogger(logdir, name=name.replace(" ", "_")),
+                callbacks=[] if options is None else [AttentionEntropyMonitor(batches=1, **options)],
+            )
+            for name, options in configs.items()
+        }
+        samples: dict[str, list[float]] = {name: [] for name in configs}
+        for repeat in range(repeats + 1):  # the first round warms up (the monitor's set-up, first writes)
+            names = list(configs)[repeat % len(configs) :] + list(configs)[: repeat % len(configs)]
+            for name in names:
+                start = time.perf_counter()
+                trainers[name].validate(model, loader, verbose=False)
+                if repeat:
+                    samples[name].append(time.perf_counter() - start)
+        for trainer in trainers.values():
+            trainer.loggers[0].finalize("success")
+    base = samples["no monitor"]
+    rows = [
+        f"### (d) Fixed cost per validation: {layers} layers x {heads} heads",
+        "",
+        f"A model of {layers} causal self-attention blocks of {heads} heads of dimension 2 (next to no compute), "
+        f"`Trainer.validate` over one batch of 4 x 16 tokens, {threads} torch thread(s), one Trainer + "
+        f"TensorBoardLogger per row kept across {repeats} interleaved repeats (as the validations of one fit); "
+        "the monitor records the batch and logs at the epoch end: compute, alerts, "
+        f"{layers * 8 + 1} scalars per layer and overall ({layers + 1} of them through `LightningModule.log`), "
+        f"{layers * heads * 2} per-head scalars, and with default logging {layers} histograms and the heatmap. "
+        "extra ms: median [inter-quartile range] of the paired (same repeat) difference to the unmonitored "
+        "validate; it includes recording the one batch.",
+        "",
+        "| monitor | validate ms | extra ms |",
+        "|---|---|---|",
+    ]
+    for name, values in samples.items():
+        extra = "—" if name == "no monitor" else _spread(_paired(values, base, lambda a, b: (a - b) * 1e3), 1)
+        rows.append(f"| {name} | {statistics.median(values) * 1e3:.0f} | {extra} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=11, help="timed repeats of (a) and (b) (default 11)")
@@ -477,6 +556,7 @@ def main(argv: list[str] | None = None) -> str:
             ("a", lambda: bench_validation(args.val_batches, args.repeats, args.threads, not args.no_memory)),
             ("b", lambda: bench_training(args.train_steps, args.repeats, args.threads)),
             ("c", lambda: bench_sync(args.sync_layers, int(args.sync_tokens), args.sync_repeats, args.threads)),
+            ("d", lambda: bench_fixed_cost(32, 32, args.repeats, args.threads)),
         ):
             section_start = time.perf_counter()
             sections.append(run())
