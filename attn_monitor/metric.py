@@ -327,6 +327,7 @@ class _Summary:
         self.num_heads = list(num_heads)
         self._stats = copy_statistics(stats)
         self._stats.setdefault("nonfinite", torch.zeros_like(self._stats["count"]))
+        self._quantiles: dict[float, Tensor] = {}
 
     histogram = property(lambda self: self._stats["hist"])
     count = property(lambda self: self._stats["count"])
@@ -364,8 +365,14 @@ class _Summary:
         return self._std(pooled=False)
 
     def quantile(self, q: float) -> Tensor:
-        """(L, H) quantile ``q`` from the histogram (error <= one bin width)."""
-        return histogram_quantile(self.histogram, q)
+        """(L, H) quantile ``q`` from the histogram (error <= one bin width).
+
+        Computed once per level (the logged scalars, the heatmap and the
+        alerts all read the medians): a summary is a snapshot.
+        """
+        if q not in self._quantiles:
+            self._quantiles[q] = histogram_quantile(self.histogram, q)
+        return self._quantiles[q].clone()
 
     @property
     def layer_mean(self) -> Tensor:
