@@ -400,7 +400,7 @@ class Dashboards:
         prefix: str | None = None,
         suffix: str = "",
     ) -> None:
-        """Write ``scalars``, histograms, the heatmap, the TensorBoard layout and the W&B charts at ``step``.
+        """Write ``scalars``, the histograms, the heatmap and the TensorBoard layout of ``summary`` at ``step``.
 
         TensorBoard gets all of it as one event (one write however many
         values); W&B as one ``log`` call; other loggers the scalars only.

@@ -199,8 +199,17 @@ class LayerMetric(Metric):
 
     def reset(self) -> None:
         """Zero every statistic; the registered layers stay."""
+        laid_out = {state: getattr(self, state) for state in _STATES}
         super().reset()
-        self._lay_out([], self._layer_heads)
+        shape = (len(self._layer_heads), max(self._layer_heads.values(), default=0))
+        if all(tuple(value.shape[:2]) == shape for value in laid_out.values()):
+            # The same layout: clear the states in place (a fresh 16 MB state at 32 x 32 heads is
+            # 10 ms of page faults). Summaries hold copies, so nothing still reads these.
+            for state, value in laid_out.items():
+                setattr(self, state, value.fill_(_STATES[state][1]))
+            self._computed = None
+        else:
+            self._lay_out([], self._layer_heads)
 
     def forward(self, layer: str, values: Tensor, *args: Any, **kwargs: Any) -> Any:
         """Update with one call and return the summary of that call alone."""
