@@ -574,6 +574,13 @@ def _prepare_qk(
             f"Expected `mask` with 1 or {q.shape[1]} heads (the heads of `q`), got shape {tuple(mask.shape)}."
         )
     support = _as_support(mask, is_causal, q.shape[2], k.shape[2])
+    # Checked on what stays a bias: a mask recognised as structure (once per forward, see
+    # Support.from_sdpa) holds no NaN or +inf, so a dense mask is not scanned again at every call.
+    # ``x < inf`` is False exactly for NaN and +inf; -inf (a hidden key) passes.
+    if support.bias is not None and not bool((support.bias < math.inf).all()):
+        raise ValueError(
+            "Expected an additive `mask` without NaN or +inf values; -inf (or the dtype's minimum) hides a key."
+        )
     batch_size = mask.shape[0] if isinstance(mask, Tensor) and mask.dim() == 4 else support.batch_size
     if batch_size not in (1, q.shape[0]) or support.batch_size not in (1, q.shape[0]):
         raise ValueError(f"Expected the mask's batch size to be 1 or {q.shape[0]}, got {batch_size}.")
@@ -715,10 +722,9 @@ def all_finite(value: Tensor) -> bool:
 
 
 def _check_qk_values(q: object, k: object, mask: object, scale: object) -> None:
-    """Reject what would silently turn into NaN inside a kernel: non-finite q, k, scale or bias.
+    """Reject what would silently turn into NaN inside a kernel: non-finite q, k or scale (the bias: _prepare_qk).
 
-    One reduction per tensor, nothing of size N x N beyond the mask the caller
-    already holds.
+    One reduction per tensor.
     """
     q, k = _check_qk(q, k)
     if scale is not None:
@@ -729,12 +735,6 @@ def _check_qk_values(q: object, k: object, mask: object, scale: object) -> None:
     for name, value in (("q", q), ("k", k)):
         if not all_finite(value):
             raise ValueError(f"Expected `{name}` to hold finite values, got NaN or inf (a diverging model?).")
-    bias = mask.bias if isinstance(mask, Support) else mask
-    # ``x < inf`` is False exactly for NaN and +inf; -inf (a hidden key) passes.
-    if isinstance(bias, Tensor) and bias.dtype.is_floating_point and not bool((bias < math.inf).all()):
-        raise ValueError(
-            "Expected an additive `mask` without NaN or +inf values; -inf (or the dtype's minimum) hides a key."
-        )
 
 
 # --------------------------------------------------------------------------- weights on the support

@@ -518,8 +518,8 @@ def _recognise(attn_mask: Tensor, length: int) -> _Structure | None:
         visible = mask
     elif mask.dtype.is_floating_point:
         visible = mask > torch.finfo(mask.dtype).min / 2
-        if mask.masked_fill(~visible, 0.0).any():
-            return None  # a bias, not only a support
+        if mask.masked_fill(~visible, 0.0).any() or mask.isnan().any():
+            return None  # a bias (or NaN, which the caller rejects), not only a support
     else:
         return None
     visible = visible[:, 0]
