@@ -114,14 +114,20 @@ def normalize_entropy(entropy: Tensor, num_valid: Tensor) -> Tensor:
     )
 
 
-def _finish(entropy: Tensor, num_valid: Tensor, normalize: bool) -> Tensor:
-    """Apply the shared NaN rules and bounds to raw per-query entropy."""
-    count = num_valid.to(entropy.dtype)
-    # ln(count) bounds the entropy; NaN (no visible key) propagates through the minimum.
-    upper = count.log().masked_fill(count == 0, math.nan)
-    # ``+ 0.0`` turns the -0.0 of a one-hot row into 0.0.
-    entropy = torch.minimum(entropy.clamp(min=0.0), upper) + 0.0
-    return normalize_entropy(entropy, count) if normalize else entropy
+def _finish(entropy: Tensor, num_valid: Tensor, normalize: bool, log_count: Tensor | None = None) -> Tensor:
+    """Apply the shared NaN rules and bounds to raw per-query entropy.
+
+    ``log_count``: ``ln(num_valid)`` in ``entropy``'s dtype with NaN where it
+    is 0, when the caller has it (:meth:`Support.log_num_valid`).
+    """
+    if log_count is None:
+        count = num_valid.to(entropy.dtype)
+        log_count = count.log().masked_fill(count == 0, math.nan)
+    # ln(count) bounds the entropy; NaN (no visible key) propagates through the clamp.
+    # ``add_(0.0)`` turns the -0.0 of a one-hot row into 0.0.
+    zero = torch.zeros((), dtype=entropy.dtype, device=entropy.device)
+    entropy = torch.clamp(entropy, min=zero, max=log_count).add_(0.0)
+    return normalize_entropy(entropy, num_valid.to(entropy.device)) if normalize else entropy
 
 
 def attention_entropy(
@@ -423,7 +429,7 @@ def _block_entropy(
 
 def _is_large(lse: Tensor) -> bool:
     """Whether any finite logsumexp is beyond ``LARGE_LOGIT`` (one device round trip when it is not)."""
-    if not bool(lse.abs().amax() > LARGE_LOGIT):  # NaN compares False
+    if not lse.abs().amax().item() > LARGE_LOGIT:  # NaN compares False
         return False
     finite = torch.where(torch.isfinite(lse), lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
     return bool(finite.abs().amax() > LARGE_LOGIT)
@@ -486,7 +492,7 @@ def entropy_from_qk(
     _check_qk_values(q, k, mask, scale)
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, method, memory_budget)
     _, entropy = _qk_pass(q, k, support, scale, method, memory_budget)
-    return _finish(entropy, support.num_valid().to(entropy.device), normalize)
+    return _finish(entropy, support.num_valid(), normalize, support.log_num_valid(entropy.dtype, entropy.device))
 
 
 def attention_lse(
@@ -524,6 +530,9 @@ def attention_lse(
     _check_qk_values(q, k, mask, scale)
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, method, memory_budget)
     lse, _ = _qk_pass(q, k, support, scale, method, memory_budget)
+    if support.may_hide_every_key:
+        # The fused kernels return lse 0 for rows with no visible key.
+        lse = lse.masked_fill(support.num_valid().to(lse.device) == 0, -math.inf)
     return lse
 
 
@@ -596,7 +605,10 @@ def _prepare_qk(
 def _qk_pass(
     q: Tensor, k: Tensor, support: Support, scale: float, method: str, memory_budget: int
 ) -> tuple[Tensor, Tensor]:
-    """(logsumexp, entropy in nats) per query, by the fused path where it applies."""
+    """(logsumexp, entropy in nats) per query, by the fused path where it applies.
+
+    Where a query sees no key the logsumexp is -inf from the chunked path and 0 from the fused kernels.
+    """
     if method != "chunked":
         if support.bias is not None:
             if method == "fused":
@@ -643,9 +655,6 @@ def _fused_entropy(
         q, k = q.double(), k.double()
         out, lse = _fused_lse(q, k, support, scale) or (out, lse)
     entropy = lse.sub(out.mul_(q).sum(-1), alpha=scale)
-    if support.may_hide_every_key:
-        # The kernels return lse 0 for rows with no visible key.
-        lse = lse.masked_fill(support.num_valid().to(lse.device) == 0, -math.inf)
     return lse.to(dtype), entropy.to(dtype)
 
 
@@ -716,7 +725,7 @@ def all_finite(value: Tensor) -> bool:
     overflows) and costs a tenth of an elementwise ``isfinite`` on CPU; the
     exact check runs only when the sum is not finite.
     """
-    if bool(torch.isfinite(value.sum(dtype=_compute_dtype(value.dtype)))):
+    if math.isfinite(value.sum(dtype=_compute_dtype(value.dtype)).item()):
         return True
     return bool(torch.isfinite(value).all())
 

@@ -18,7 +18,10 @@ blocks for the exact chunked path, an additive mask for fused kernels.
 from __future__ import annotations
 
 import copy
+import math
 import weakref
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -83,8 +86,23 @@ def _mask_to_bool_and_bias(mask: Tensor) -> tuple[Tensor, Tensor | None]:
     return visible, bias
 
 
-#: Counts of supports without any mask tensor (causal order, a window), by shape.
-_STATIC_COUNTS: dict[tuple[int, int, bool, int | None], Tensor] = {}
+#: (queries, keys, causal, window): the whole of a support without any mask tensor.
+_ShapeKey = tuple[int, int, bool, int | None]
+#: Counts of such supports (causal order, a window), by shape.
+_STATIC_COUNTS: dict[_ShapeKey, Tensor] = {}
+#: ln of those counts per (dtype, device), for the same shapes.
+_STATIC_LOG_COUNTS: dict[_ShapeKey, dict[tuple[torch.dtype, torch.device], Tensor]] = {}
+
+_Cached = TypeVar("_Cached")
+
+
+def _static(cache: dict[_ShapeKey, _Cached], key: _ShapeKey, make: Callable[[], _Cached]) -> _Cached:
+    """``cache[key]``, made on first use; the cache is emptied once it holds 64 shapes."""
+    if key not in cache:
+        if len(cache) >= 64:
+            cache.clear()
+        cache[key] = make()
+    return cache[key]
 
 
 class Support:
@@ -178,6 +196,7 @@ class Support:
                 self.mask = None
         self.batch_size = self._check_batch_sizes()
         self._num_valid: Tensor | None = None
+        self._log_counts: dict[tuple[torch.dtype, torch.device], Tensor] = {}
         self._bounds: tuple[Tensor, Tensor] | None = None
 
     @classmethod
@@ -200,15 +219,19 @@ class Support:
             Support(num_queries=3, num_keys=3, padding_mask, causal)
         """
         if attn_mask is not None and not is_causal and num_queries == num_keys:
-            structured = _recognise_once(attn_mask, num_queries)
-            if structured is not None:
-                keys, causal, window, documents = structured
-                support = cls(num_queries, num_keys, causal=causal, window=window)
-                if documents is not None:  # contiguous runs by construction: no need to check them again
-                    support.document_ids = documents
-                    support.batch_size = support._check_batch_sizes()
-                return support if keys is None else support._restricted(keys)
+            support = _structured_once(attn_mask, num_queries)
+            if support is not None:
+                return support
         return cls(num_queries, num_keys, causal=is_causal, mask=attn_mask)
+
+    @classmethod
+    def _from_structure(cls, length: int, structure: _Structure) -> Support:
+        keys, causal, window, documents = structure
+        support = cls(length, length, causal=causal, window=window)
+        if documents is not None:  # contiguous runs by construction: no need to check them again
+            support.document_ids = documents
+            support.batch_size = support._check_batch_sizes()
+        return support if keys is None else support._restricted(keys)
 
     def _check_documents(self, document_ids: Tensor | None) -> Tensor | None:
         if document_ids is None:
@@ -348,13 +371,25 @@ class Support:
             if self.may_hide_every_key:
                 self._num_valid = self._count_valid()
             else:  # the same for every call of this shape: computed once per process
-                key = (self.num_queries, self.num_keys, self.causal, self.window)
-                if key not in _STATIC_COUNTS:
-                    if len(_STATIC_COUNTS) >= 64:
-                        _STATIC_COUNTS.clear()
-                    _STATIC_COUNTS[key] = self._count_valid()
-                self._num_valid = _STATIC_COUNTS[key]
+                self._num_valid = _static(_STATIC_COUNTS, self._shape_key(), self._count_valid)
         return self._num_valid
+
+    def log_num_valid(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """``ln(num_valid())`` in ``dtype`` on ``device``, NaN where a query sees no key (computed once).
+
+        The upper bound of every query's entropy in nats.
+        """
+        logs = self._log_counts
+        if not self.may_hide_every_key:
+            logs = _static(_STATIC_LOG_COUNTS, self._shape_key(), dict)
+        key = (dtype, device)
+        if key not in logs:
+            count = self.num_valid().to(device=device, dtype=dtype)
+            logs[key] = count.log().masked_fill(count == 0, math.nan)
+        return logs[key]
+
+    def _shape_key(self) -> _ShapeKey:
+        return (self.num_queries, self.num_keys, self.causal, self.window)
 
     def _count_valid(self) -> Tensor:
         if self.mask is not None:
@@ -436,8 +471,7 @@ class Support:
         return self._restricted(checked)
 
     def _restricted(self, checked: Tensor) -> Support:
-        derived = copy.copy(self)
-        derived._num_valid = None
+        derived = self._derived()
         derived.padding_mask = checked if self.padding_mask is None else self.padding_mask & checked
         derived.batch_size = derived._check_batch_sizes()
         return derived
@@ -446,8 +480,7 @@ class Support:
         """This support intersected with a causal window of the ``window`` most recent keys."""
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"Expected `window` to be a positive int, got {window!r}.")
-        derived = copy.copy(self)
-        derived._num_valid = None
+        derived = self._derived()
         derived.causal = True
         derived.window = window if self.window is None else min(window, self.window)
         return derived
@@ -458,9 +491,7 @@ class Support:
         Documents already in the support are intersected too: two tokens
         share a document only if both partitions say so.
         """
-        derived = copy.copy(self)
-        derived._num_valid = None
-        derived._bounds = None
+        derived = self._derived()
         derived.document_ids = derived._check_documents(document_ids)
         derived.batch_size = derived._check_batch_sizes()
         if self.document_ids is not None and derived.document_ids is not None:
@@ -470,6 +501,14 @@ class Support:
                     f"got shape {tuple(derived.document_ids.shape)}."
                 )
             derived.document_ids = _refine(self.document_ids.to(derived.document_ids.device), derived.document_ids)
+        return derived
+
+    def _derived(self) -> Support:
+        """A copy to change, without the counts cached for this support."""
+        derived = copy.copy(self)
+        derived._num_valid = None
+        derived._log_counts = {}
+        derived._bounds = None
         return derived
 
     def _device(self) -> torch.device:
@@ -506,12 +545,14 @@ _Structure = tuple[Tensor | None, bool, int | None, Tensor | None]
 
 
 def _recognise(attn_mask: Tensor, length: int) -> _Structure | None:
-    """(key mask, causal, window, document ids) of a dense (B, 1, N, N) mask that is exactly such a product.
+    """(key mask, causal, window, document ids) of a (B, 1, N|1, N) mask that is exactly such a product.
 
     Each candidate is checked by exact equality with the mask, so a mask
     with any other pattern is left alone (None).
     """
-    if attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or tuple(attn_mask.shape[-2:]) != (length, length):
+    if attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[-2] not in (1, length):
+        return None  # (B, 1, N, N), or (B, 1, 1, N) for a key mask
+    if attn_mask.shape[-1] != length:
         return None
     mask = _compact(attn_mask)
     if mask.dtype == torch.bool:
@@ -523,8 +564,8 @@ def _recognise(attn_mask: Tensor, length: int) -> _Structure | None:
     else:
         return None
     visible = visible[:, 0]
-    if visible.shape[1] == 1:  # already broadcast over queries
-        return visible[:, 0], False, None, None
+    if visible.shape[1] == 1:  # already broadcast over queries: a key mask
+        return _keys_or_none(visible[:, 0]), False, None, None
     rows = torch.arange(length, device=visible.device)
     lower = rows[None, :] <= rows[:, None]
     causal = not bool(visible.triu(1).any())
@@ -553,31 +594,41 @@ def _recognise(attn_mask: Tensor, length: int) -> _Structure | None:
     return None
 
 
-#: The last mask recognised: models hand the same mask to every layer (often
-#: through a fresh ``detach()`` per call), so it is known by its storage, which
-#: the weak reference does not keep alive, its view and its version counter.
-_last_recognised: tuple[weakref.ref[torch.UntypedStorage], tuple, int, _Structure | None] | None = None
+#: The last mask recognised and its support: models hand the same mask to every
+#: layer (often through a fresh ``detach()`` per call), so it is known by its
+#: storage, which the weak reference does not keep alive, its view and its
+#: version counter. Layers then share one support, and the counts it caches.
+_last_recognised: tuple[weakref.ref[torch.UntypedStorage], tuple, int, Support | None] | None = None
 
 
-def _recognise_once(attn_mask: Tensor, length: int) -> _Structure | None:
-    """:func:`_recognise`, reusing the answer for the mask seen last if it was not modified since."""
+def _structured_once(attn_mask: Tensor, length: int) -> Support | None:
+    """The structured support of a recognised mask (:func:`_recognise`), or None.
+
+    The answer for the last mask is reused while that mask is unmodified.
+    """
     global _last_recognised
     # Inference tensors (Lightning validates under torch.inference_mode) keep no version
     # counter: an in-place edit could not be seen, so their answer is not reused.
-    if torch.compiler.is_compiling() or attn_mask.is_inference():
-        return _recognise(attn_mask, length)
-    storage = attn_mask.untyped_storage()
-    view = (attn_mask.storage_offset(), tuple(attn_mask.shape), attn_mask.stride(), attn_mask.dtype, length)
-    last = _last_recognised
-    if last is not None and last[0]() is storage and last[1] == view and last[2] == attn_mask._version:
-        return last[3]
-    structured = _recognise(attn_mask, length)
-    _last_recognised = (weakref.ref(storage), view, attn_mask._version, structured)
-    return structured
+    reuse = not (torch.compiler.is_compiling() or attn_mask.is_inference())
+    if reuse:
+        storage = attn_mask.untyped_storage()
+        view = (attn_mask.storage_offset(), tuple(attn_mask.shape), attn_mask.stride(), attn_mask.dtype, length)
+        last = _last_recognised
+        if last is not None and last[0]() is storage and last[1] == view and last[2] == attn_mask._version:
+            return last[3]
+    structure = _recognise(attn_mask, length)
+    support = None if structure is None else Support._from_structure(length, structure)
+    if reuse:
+        _last_recognised = (weakref.ref(storage), view, attn_mask._version, support)
+    return support
 
 
 def _keys_or_none(keys: Tensor) -> Tensor | None:
-    return None if bool(keys.all()) else keys
+    """The key mask, or None if every key is visible.
+
+    Copied: a view would keep the model's dense mask alive in the cache.
+    """
+    return None if bool(keys.all()) else keys.clone()
 
 
 def _run_bounds(document_ids: Tensor) -> tuple[Tensor, Tensor]:

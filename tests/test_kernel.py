@@ -327,17 +327,25 @@ def test_recognition_follows_the_storage_through_detach() -> None:
     assert torch.equal(changed.num_valid().expand(dense.shape[:3]), ref.num_valid(dense))
 
 
-def test_recognition_runs_once_for_a_mask_every_layer_gets(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("key_mask", [False, True], ids=["window-padding", "key-mask"])
+def test_recognition_runs_once_for_a_mask_every_layer_gets(key_mask: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     import attn_monitor.masks as masks
 
     calls = []
     real = masks._recognise
     monkeypatch.setattr(masks, "_recognise", lambda *args: calls.append(1) or real(*args))
-    spec = spec_of("window_pad_causal", heads=1, seed=11)
+    spec = spec_of("pad_right" if key_mask else "window_pad_causal", heads=1, seed=11)
     dense = ref.dense_support(spec)
+    if key_mask:  # (B, 1, 1, N), as models pass key padding to SDPA
+        dense = dense[:, :, :1]
     supports = [Support.from_sdpa(spec.num_queries, spec.num_keys, dense.detach(), False) for _ in range(4)]
     assert len(calls) == 1
-    assert all(torch.equal(s.num_valid(), supports[0].num_valid()) for s in supports)
+    # One support for every layer: its counts are computed once.
+    assert all(s is supports[0] for s in supports)
+    assert supports[0].mask is None and supports[0].padding_mask is not None
+    assert supports[0].padding_mask.untyped_storage().data_ptr() != dense.untyped_storage().data_ptr()
+    want = ref.num_valid(ref.dense_support(spec))
+    assert torch.equal(supports[0].num_valid().expand(want.shape), want)
 
 
 def test_recognition_under_inference_mode_sees_in_place_edits() -> None:
