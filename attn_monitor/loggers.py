@@ -26,6 +26,7 @@ The pictures themselves are drawn in :mod:`attn_monitor.figures`.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ _PER_HEAD = re.compile(r"^(?P<family>[^/]+)/(?P<rest>(?:.+/)?head_\d+/.+)$")
 _GROUPED = re.compile(r"^(?P<family>[^/]+)_heads/(?P<layer>.+)/head_(?P<head>\d+)/(?P<stat>[^/]+)(?P<suffix>/.*)?$")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same few thousand names at every validation
 def head_group(name: str) -> str:
     """The name a scalar is logged under: per-head values go to their family's ``_heads`` group.
 
@@ -99,6 +101,7 @@ def group_heads(scalars: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same few thousand names at every validation
 def in_callback_metrics(name: str, suffix: str = "") -> bool:
     """Whether the monitor logs ``name`` with ``LightningModule.log``, so that it reaches ``trainer.callback_metrics``.
 

@@ -27,7 +27,15 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from attn_monitor.callback import AttentionEntropyMonitor
-from attn_monitor.figures import Picture, grid_picture, heatmap_picture, history_picture, median_grid, read_cells
+from attn_monitor.figures import (
+    Picture,
+    grid_picture,
+    heatmap_picture,
+    history_picture,
+    median_grid,
+    png_bytes,
+    read_cells,
+)
 from attn_monitor.loggers import group_heads, head_group, tensorboard_layout
 from attn_monitor.metric import AttentionEntropy, EntropySummary
 from tests import lightning_models as lm
@@ -147,6 +155,18 @@ def test_layer_names_of_many_layers_do_not_touch(layers: int) -> None:
 def test_grid_picture_rejects_labels_that_do_not_match() -> None:
     with pytest.raises(ValueError, match=r"2 row labels and 3 column labels"):
         grid_picture(np.zeros((2, 3)), ["a"], ["0", "1", "2"], title="", label="", row_title="", column_title="")
+
+
+def test_png_bytes_decode_to_the_pixels() -> None:
+    """Every pixel survives, at an odd size (no row padding) and with values that would wrap a filter."""
+    pixels = np.random.default_rng(0).integers(0, 256, size=(37, 53, 3), dtype=np.uint8)
+    pixels[:, :10] = 255  # a flat band beside the noise
+    picture = Picture(pixels, np.zeros((1, 1)), np.zeros((1, 1, 4), dtype=np.int64), (0.0, 1.0), "viridis")
+    from PIL import Image
+
+    decoded = Image.open(io.BytesIO(png_bytes(picture)))
+    assert decoded.mode == "RGB" and decoded.size == (53, 37)
+    assert np.array_equal(np.asarray(decoded), pixels)
 
 
 # --------------------------------------------------------------------------- a real fit: every view of one validation
