@@ -301,8 +301,8 @@ def grid_picture(
     if rows and columns:
         colour = palette[_colour_index(grid, limits)]
         colour[~np.isfinite(grid)] = _EMPTY
-        block = np.repeat(np.repeat(colour, cell_height, axis=0), cell_width, axis=1)
-        pixels[top : top + grid_height, left : left + grid_width] = block
+        area = pixels[top : top + grid_height, left : left + grid_width]
+        area.reshape(rows, cell_height, columns, cell_width, 3)[:] = colour[:, None, :, None, :]
         # One-pixel white lines between cells keep neighbouring equal colours apart.
         pixels[top : top + grid_height, left : left + grid_width : cell_width] = _BACKGROUND
         pixels[top : top + grid_height : cell_height, left : left + grid_width] = _BACKGROUND
