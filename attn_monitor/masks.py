@@ -559,7 +559,8 @@ def _recognise(attn_mask: Tensor, length: int) -> _Structure | None:
         visible = mask
     elif mask.dtype.is_floating_point:
         visible = mask > torch.finfo(mask.dtype).min / 2
-        if mask.masked_fill(~visible, 0.0).any() or mask.isnan().any():
+        # Bool temporaries only: a float copy would be as large as the model's mask.
+        if bool(mask.isnan().any()) or bool(((mask != 0) & visible).any()):
             return None  # a bias (or NaN, which the caller rejects), not only a support
     else:
         return None
