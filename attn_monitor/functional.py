@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from attn_monitor.masks import Support, broadcasts_to
+from attn_monitor.masks import Support, broadcasts_to, log_count
 
 __all__ = [
     "attention_distance",
@@ -114,19 +114,18 @@ def normalize_entropy(entropy: Tensor, num_valid: Tensor) -> Tensor:
     )
 
 
-def _finish(entropy: Tensor, num_valid: Tensor, normalize: bool, log_count: Tensor | None = None) -> Tensor:
+def _finish(entropy: Tensor, num_valid: Tensor, normalize: bool, log_bound: Tensor | None = None) -> Tensor:
     """Apply the shared NaN rules and bounds to raw per-query entropy.
 
-    ``log_count``: ``ln(num_valid)`` in ``entropy``'s dtype with NaN where it
-    is 0, when the caller has it (:meth:`Support.log_num_valid`).
+    ``log_bound``: :func:`~attn_monitor.masks.log_count` of ``num_valid`` in
+    ``entropy``'s dtype, when the caller has it (:meth:`Support.log_num_valid`).
     """
-    if log_count is None:
-        count = num_valid.to(entropy.dtype)
-        log_count = count.log().masked_fill(count == 0, math.nan)
+    if log_bound is None:
+        log_bound = log_count(num_valid, entropy.dtype)
     # ln(count) bounds the entropy; NaN (no visible key) propagates through the clamp.
     # ``add_(0.0)`` turns the -0.0 of a one-hot row into 0.0.
     zero = torch.zeros((), dtype=entropy.dtype, device=entropy.device)
-    entropy = torch.clamp(entropy, min=zero, max=log_count).add_(0.0)
+    entropy = torch.clamp(entropy, min=zero, max=log_bound).add_(0.0)
     return normalize_entropy(entropy, num_valid.to(entropy.device)) if normalize else entropy
 
 

@@ -26,7 +26,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["Support", "broadcasts_to", "leading_keys"]
+__all__ = ["Support", "broadcasts_to", "leading_keys", "log_count"]
 
 
 def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -103,6 +103,12 @@ def _static(cache: dict[_ShapeKey, _Cached], key: _ShapeKey, make: Callable[[], 
             cache.clear()
         cache[key] = make()
     return cache[key]
+
+
+def log_count(num_valid: Tensor, dtype: torch.dtype) -> Tensor:
+    """``ln(num_valid)`` in ``dtype``, NaN where a query sees no key: the bound of its entropy in nats."""
+    count = num_valid.to(dtype)
+    return count.log().masked_fill(count == 0, math.nan)
 
 
 class Support:
@@ -384,8 +390,7 @@ class Support:
             logs = _static(_STATIC_LOG_COUNTS, self._shape_key(), dict)
         key = (dtype, device)
         if key not in logs:
-            count = self.num_valid().to(device=device, dtype=dtype)
-            logs[key] = count.log().masked_fill(count == 0, math.nan)
+            logs[key] = log_count(self.num_valid().to(device), dtype)
         return logs[key]
 
     def _shape_key(self) -> _ShapeKey:
@@ -550,9 +555,8 @@ def _recognise(attn_mask: Tensor, length: int) -> _Structure | None:
     Each candidate is checked by exact equality with the mask, so a mask
     with any other pattern is left alone (None).
     """
-    if attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[-2] not in (1, length):
-        return None  # (B, 1, N, N), or (B, 1, 1, N) for a key mask
-    if attn_mask.shape[-1] != length:
+    # (B, 1, N, N), or (B, 1, 1, N) for a key mask.
+    if attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[-2:] not in ((1, length), (length, length)):
         return None
     mask = _compact(attn_mask)
     if mask.dtype == torch.bool:

@@ -30,14 +30,13 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _reset_peak() -> bool:
-    """Restart this process's peak resident set from its current size (Linux); False where it cannot."""
+def _reset_peak() -> None:
+    """Restart this process's peak resident set from its current size (Linux; elsewhere nothing happens)."""
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
-        return True
     except OSError:
-        return False
+        pass
 
 
 def _peak_bytes() -> int:
