@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck demo bench
+.PHONY: venv test wheel-check lint typecheck demo bench
 
 venv: $(STAMP)
 
@@ -25,6 +25,18 @@ $(STAMP): pyproject.toml | $(VPY)
 
 test: venv
 	$(VPY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+# The package as users get it: a wheel built from this tree, installed (not
+# editable) into a fresh venv, checked from outside the checkout.
+WHEEL_VENV := build/wheel-venv
+wheel-check: venv
+	rm -rf build/wheel $(WHEEL_VENV)
+	$(VPY) -m pip wheel --no-deps --no-build-isolation -w build/wheel .
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(WHEEL_VENV)/bin/python -m pip install -q build/wheel/*.whl
+	cd build && PATH="$(abspath $(WHEEL_VENV))/bin:$$PATH" $(abspath $(WHEEL_VENV))/bin/python \
+		$(abspath .ci/wheel_smoke.py) $(abspath attn_monitor)
 
 lint: venv
 	$(VPY) -m ruff check .
