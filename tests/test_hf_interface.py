@@ -6,7 +6,9 @@ compute attention with plain matmul + softmax, never through
 ``F.scaled_dot_product_attention``. The reference never imports attn_monitor:
 an eager twin (same weights) runs with ``output_attentions=True`` and its
 weights are pooled over the support the documented masks imply (causal,
-key padding, the sliding window).
+key padding, the sliding window). A chunk after a cached prefix is compared
+with the twin's rows over the whole sequence, packed documents with each
+document run alone.
 """
 
 from __future__ import annotations
