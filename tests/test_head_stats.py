@@ -167,15 +167,32 @@ def test_streaming_updates_equal_the_reference_on_the_concatenated_data() -> Non
 
 
 def test_merge_takes_the_max_and_adds_the_sums() -> None:
-    (a_logits, a_distance, _), (b_logits, b_distance, _) = _random_call(1, 2), _random_call(2, 3)
-    left, right, union = AttentionStatistics(), AttentionStatistics(), AttentionStatistics()
-    left.update("x", max_logit=a_logits, distance=a_distance)
-    right.update("x", max_logit=b_logits, distance=b_distance)
-    union.update("x", max_logit=torch.cat([a_logits, b_logits]), distance=torch.cat([a_distance, b_distance]))
-    left.merge_state(right)
-    got, want = left.compute(), union.compute()
-    assert torch.equal(got.max_logit, want.max_logit)
-    assert torch.allclose(got.distance, want.distance)
+    """Merged metrics equal the plain-Python pool of both calls' counted queries (max, mean, counts).
+
+    Layer "x" is in both metrics, "y" and "z" in one each. Fails when the
+    merge adds the max fields or keeps either side's maximum alone.
+    """
+    calls = {"left": [("x", _random_call(1, 2)), ("y", _random_call(3, 1))], "right": [("x", _random_call(2, 3))]}
+    calls["right"].append(("z", _random_call(4, 2)))
+    metrics = {side: AttentionStatistics() for side in calls}
+    expected = {layer: Pooled(3) for layer in ("x", "y", "z")}
+    x_alone = {side: Pooled(3) for side in calls}
+    for side, side_calls in calls.items():
+        for layer, (logits, distance, sample) in side_calls:
+            metrics[side].update(layer, max_logit=logits, distance=distance, is_sample=sample)
+            for pooled in [expected[layer]] + ([x_alone[side]] if layer == "x" else []):
+                pooled.add(logits, distance, sample.expand_as(logits))
+    # Per head, a sum of the two maxima or one side's maximum alone is not the maximum of the union.
+    pairs = zip(x_alone["left"].head_max(), x_alone["right"].head_max(), strict=True)
+    assert all(a != b and min(a, b) != 0 for a, b in pairs)
+    metrics["left"].merge_state(metrics["right"])
+    summary = metrics["left"].compute()
+    assert summary.layers == ["x", "y", "z"]
+    for index, (layer, pooled) in enumerate(expected.items()):
+        assert summary.max_logit[index].tolist() == pooled.head_max(), layer  # a maximum is one of the values
+        assert summary.distance[index].tolist() == pytest.approx(pooled.head_mean(), rel=1e-12), layer
+        assert summary.logit_count[index].tolist() == [len(values) for values in pooled.logits], layer
+        assert summary.distance_count[index].tolist() == [len(values) for values in pooled.distances], layer
 
 
 def test_metric_rejects_bad_input() -> None:

@@ -6,7 +6,9 @@ compute attention with plain matmul + softmax, never through
 ``F.scaled_dot_product_attention``. The reference never imports attn_monitor:
 an eager twin (same weights) runs with ``output_attentions=True`` and its
 weights are pooled over the support the documented masks imply (causal,
-key padding, the sliding window).
+key padding, the sliding window). A chunk after a cached prefix is compared
+with the twin's rows over the whole sequence, packed documents with each
+document run alone.
 """
 
 from __future__ import annotations
@@ -47,7 +49,12 @@ WINDOW, CAP = 4, 2.0
 
 
 def plain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention with matmul + softmax; with no mask, causal order and the window, as flash kernels do."""
+    """Attention with matmul + softmax; with no mask or a (batch, keys) one, what flash kernels do.
+
+    That is causal order with the queries aligned to the end of the keys, the
+    window, key padding, and packed documents told by `position_ids` or
+    `cu_seq_lens_q`.
+    """
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     scores = (query @ key.transpose(-1, -2)) * scaling
@@ -55,20 +62,23 @@ def plain_attention(module, query, key, value, attention_mask, scaling=None, dro
         scores = kwargs["softcap"] * torch.tanh(scores / kwargs["softcap"])
     num_q, num_k = scores.shape[-2:]
     rows, cols = torch.arange(num_q)[:, None] + num_k - num_q, torch.arange(num_k)[None, :]
-    if attention_mask is None:
+    if hasattr(attention_mask, "mask_mod"):  # a flex BlockMask: evaluate its mask_mod densely
+        batch = query.shape[0]
+        visible = create_mask(attention_mask.mask_mod, batch, 1, num_q, num_k, device=str(query.device))
+    elif attention_mask is None or attention_mask.dim() == 2:  # flash kernels: causal order, window, padding
         visible = cols <= rows
         if kwargs.get("sliding_window"):
             visible = visible & (cols > rows - kwargs["sliding_window"])
-        positions = kwargs.get("position_ids")
+        if attention_mask is not None:  # flash-style (batch, keys) padding
+            visible = visible & attention_mask[:, None, None, -num_k:].bool()
+        positions, lengths = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
         if positions is not None and query.shape[0] == 1:  # packing: positions restart at each document
             documents = torch.cat([torch.zeros(1, dtype=torch.long), (positions[0, 1:] != positions[0, :-1] + 1)])
             documents = documents.long().cumsum(0)
             visible = visible & (documents[:, None] == documents[None, :])
-    elif hasattr(attention_mask, "mask_mod"):  # a flex BlockMask: evaluate its mask_mod densely
-        batch = query.shape[0]
-        visible = create_mask(attention_mask.mask_mod, batch, 1, num_q, num_k, device=str(query.device))
-    elif attention_mask.dim() == 2:  # flash-style (batch, keys) padding
-        visible = (cols <= rows) & attention_mask[:, None, None, :num_k].bool()
+        if lengths is not None:  # packing told by cumulative document lengths, as flash varlen kernels take it
+            documents = torch.repeat_interleave(torch.arange(len(lengths) - 1), lengths.diff())
+            visible = visible & (documents[:, None] == documents[None, :])
     else:
         visible = attention_mask[..., :num_k].bool()
     # Padding queries outside every window see no key: zero weights there, not NaN.
@@ -157,24 +167,17 @@ def make_batch(padded: bool | str) -> dict[str, Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def expected_means(family: str, batch: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+def expected_means(family: str, batch: dict[str, Tensor], first_query: int = 0) -> dict[str, tuple[Tensor, Tensor]]:
     """layer -> ((H,) mean, (H,) count) from the eager twin's weights over the documented masks.
 
-    Packed documents (positions restarting at 0) are, by definition, separate
-    sequences: each runs through the eager twin alone and the per-head means
-    are pooled by their query counts.
+    Packed documents (positions restarting at 0) are pooled per document
+    (:func:`expected_document_means`). ``first_query``: only the queries from
+    that position on count, each seeing every earlier key (the chunk of a
+    chunked prefill: the eager twin runs the whole sequence at once).
     """
     if "position_ids" in batch:
-        starts = [int(i) for i in (batch["position_ids"][0] == 0).nonzero()] + [batch["input_ids"].shape[1]]
-        parts = [
-            expected_means(family, {"input_ids": batch["input_ids"][:, a:b]}) for a, b in itertools.pairwise(starts)
-        ]
-        pooled = {}
-        for name in parts[0]:
-            counts = sum(part[name][1] for part in parts)
-            sums = sum(part[name][0] * part[name][1] for part in parts)
-            pooled[name] = (sums / counts, counts)
-        return pooled
+        starts = [int(i) for i in (batch["position_ids"][0] == 0).nonzero()]
+        return expected_document_means(family, batch["input_ids"], starts)
     with torch.no_grad():
         attentions = make_model(family, "eager")(**batch, output_attentions=True).attentions
     real = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones_like(batch["input_ids"]).bool()
@@ -185,8 +188,27 @@ def expected_means(family: str, batch: dict[str, Tensor]) -> dict[str, tuple[Ten
         visible = (cols <= rows) & real[:, None, None, :]
         if family == "gemma2" and index == 0:  # the sliding layer
             visible = visible & (cols > rows - WINDOW)
-        expected[f"model.layers.{index}.self_attn"] = reference.head_means(probs, visible, real)
+        chunk = slice(first_query, None)
+        expected[f"model.layers.{index}.self_attn"] = reference.head_means(
+            probs[:, :, chunk], visible[..., chunk, :], real[:, chunk]
+        )
     return expected
+
+
+def expected_document_means(family: str, ids: Tensor, starts: list[int]) -> dict[str, tuple[Tensor, Tensor]]:
+    """Packed documents of one row, starting at ``starts``: by definition separate sequences.
+
+    Each runs through the eager twin alone and the per-head means are pooled
+    by their query counts.
+    """
+    bounds = [*starts, ids.shape[1]]
+    parts = [expected_means(family, {"input_ids": ids[:, a:b]}) for a, b in itertools.pairwise(bounds)]
+    pooled = {}
+    for name in parts[0]:
+        counts = sum(part[name][1] for part in parts)
+        sums = sum(part[name][0] * part[name][1] for part in parts)
+        pooled[name] = (sums / counts, counts)
+    return pooled
 
 
 def record(model: nn.Module, batch: dict[str, Tensor]) -> tuple[AttentionCapture, Tensor, Tensor]:
@@ -228,14 +250,88 @@ def test_registered_kernel_matches_eager_reference(
     assert interface_entries() == before
     assert torch.equal(monitored, plain)
     assert capture.num_calls == LAYERS  # once per layer, also where SDPA runs inside the kernel
+    check_against(capture, expected_means(family, batch))
+
+
+def check_against(capture: AttentionCapture, expected: dict[str, tuple[Tensor, Tensor]]) -> None:
+    """Per-head counts equal the reference's and means agree within TOL; the reference tells heads apart."""
     summary = capture.metric.compute()
-    expected = expected_means(family, batch)
     assert sorted(summary.layers) == sorted(expected)
     for name, (mean, count) in expected.items():
         assert float(mean.max() - mean.min()) > SPREAD, f"reference heads of {name} barely differ: {mean.tolist()}"
         index = summary.layer_index(name)
         assert summary.count[index, :HEADS].tolist() == count.tolist(), name
         torch.testing.assert_close(summary.mean[index, :HEADS], mean, atol=TOL, rtol=0, msg=name)
+
+
+#: Chunked prefill: the first PREFIX tokens fill the cache, the rest arrive as one chunk.
+PREFIX = 6
+
+
+@pytest.mark.parametrize(
+    ("family", "implementation", "padded"),
+    [
+        ("llama", "test_plain_unmasked", False),
+        ("gemma2", "test_plain_unmasked", False),
+        ("llama", "test_plain_paddingmask", True),
+        ("gemma2", "test_plain_paddingmask", True),
+        ("llama", "test_plain_masked", True),
+    ],
+)
+def test_chunk_after_a_cached_prefix_aligns_queries_to_the_end_of_the_keys(
+    family: str, implementation: str, padded: bool
+) -> None:
+    """A chunk of 4 queries over the 10 keys of the cache and itself: query i of the chunk is token PREFIX + i.
+
+    transformers aligns a chunk's queries to the end of its keys: flash
+    kernels are called with ``causal=True`` and no mask, and flash-attn
+    (>= 2.1) aligns that causal diagonal bottom-right (transformers'
+    ``flash_attn_supports_top_left_mask()`` is False off NPU); mask builders
+    put query i at ``cache_position`` PREFIX + i. The chunked model's logits
+    equal the full run's, which checks that ``plain_attention`` does the
+    same. The reference is the eager twin run over the whole sequence at
+    once, its rows from PREFIX on.
+
+    Fails with the causal diagonal of ``_causal_support`` shifted the wrong
+    way (aligned top-left: ``rows = arange(num_q)``), on every case without a
+    4-dim mask.
+    """
+    model = make_model(family, implementation)
+    batch = make_batch(padded)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if padded:  # padding inside the cached prefix only: every chunk query is a real token
+        mask = torch.ones_like(mask)
+        mask[2, :4] = 0
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :PREFIX], attention_mask=mask[:, :PREFIX], use_cache=True).past_key_values
+        with AttentionCapture(model) as capture, capture.recording():
+            chunk = model(input_ids=ids[:, PREFIX:], attention_mask=mask, cache=cache).logits
+        full = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(chunk, full[:, PREFIX:], atol=1e-4, rtol=0)
+    assert capture.num_calls == LAYERS
+    check_against(capture, expected_means(family, {"input_ids": ids, "attention_mask": mask}, first_query=PREFIX))
+
+
+def test_packing_told_by_cu_seq_lens_counts_each_document_apart() -> None:
+    """Three packed documents told by ``cu_seq_lens_q`` / ``cu_seq_lens_k`` alone, as flash varlen kernels take them.
+
+    No ``position_ids`` are passed (the model numbers the row 0..21, one
+    document by its positions), so only the lengths tell the documents apart.
+    RoPE scores depend on relative positions only: each document run alone
+    through the eager twin is the reference.
+
+    Fails when ``read_interface_call`` ignores ``cu_seq_lens_q`` (the whole
+    row read as one causal sequence: counts and means both wrong).
+    """
+    lengths = torch.tensor([9, 7, 6])
+    cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    ids = torch.randint(3, 64, (1, int(lengths.sum())), generator=torch.Generator().manual_seed(5))
+    varlen = {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": 9, "max_length_k": 9}
+    model = make_model("llama", "test_plain_unmasked")
+    with torch.no_grad(), AttentionCapture(model) as capture, capture.recording():
+        model(input_ids=ids, **varlen)
+    assert capture.num_calls == LAYERS
+    check_against(capture, expected_document_means("llama", ids, [0, 9, 16]))
 
 
 def test_sdpa_implementation_counted_once() -> None:
@@ -321,4 +417,7 @@ def test_paged_calls_are_refused_with_a_clear_error() -> None:
     lengths = torch.tensor([0, 3])
     with pytest.raises(ValueError, match="paged or cached"):
         read_interface_call(module, q, k, None, {"cu_seq_lens_q": lengths, "cu_seq_lens_k": torch.tensor([0, 7])})
-    read_interface_call(module, q, k, None, {"cu_seq_lens_q": lengths, "cu_seq_lens_k": lengths})  # packing: read
+    # Packing (the same lengths for queries and keys) is read: documents of 2 and 1 tokens, causal within each.
+    packed = torch.tensor([0, 2, 3])
+    *_, support = read_interface_call(module, q, k, None, {"cu_seq_lens_q": packed, "cu_seq_lens_k": packed})[:4]
+    assert support.num_valid().flatten().tolist() == [1, 2, 1]

@@ -2,7 +2,8 @@
 
 Both ranks run every scenario below in one process group (``compute()`` is
 collective) and save what they saw; the parent checks it against one process
-fed both shards. Layers are matched by name, so the ranks may register them
+fed both shards (for max logit and attention distance: a float64 reference
+recomputed from both ranks' q and k). Layers are matched by name, so the ranks may register them
 in different orders or not at all. While one ``compute()`` runs, every
 ``torch.distributed`` function is counted: the packed state must sync in at
 most three collectives whatever the number of layers.
@@ -29,7 +30,11 @@ import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing as mp
 
 from attn_monitor import AttentionEntropy, AttentionMass, EntropySummary
+from attn_monitor.functional import attention_distance, attention_max_logit
+from attn_monitor.head_stats import AttentionStatistics
+from attn_monitor.masks import Support
 from attn_monitor.metric import LayerMetric
+from tests import reference
 from tests.test_metric import Peak
 
 WORLD_SIZE = 2
@@ -133,6 +138,41 @@ def _mass_shard(rank: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     return out
 
 
+#: (layer, q, k, (batch, seq) key padding): one causal self-attention call.
+StatisticsCall = tuple[str, torch.Tensor, torch.Tensor, list[list[bool]]]
+
+
+def _statistics_shard(rank: int) -> list[StatisticsCall]:
+    """Attention calls of one rank: layer "both" on each rank, "only0" on rank 0 and "only1" on rank 1.
+
+    Other batch sizes per rank, left padding in some rows, and logits whose
+    per-rank maxima differ (a sum of them, or of a -inf fill, is no maximum).
+    """
+    generator = torch.Generator().manual_seed(21 + rank)
+    heads, length, dim = 3, 6, 4
+    layers = ["both", "only0"] if rank == 0 else ["only1", "both"]
+    out = []
+    for index, layer in enumerate(layers):
+        batch = 2 + rank + index
+        q = torch.randn(batch, heads, length, dim, generator=generator) * (1.5 + rank)
+        k = torch.randn(batch, heads, length, dim, generator=generator) * 1.5 - 0.5 * rank
+        padding = [[position >= row for position in range(length)] for row in range(batch)]  # row r: r pads left
+        out.append((layer, q, k, padding))
+    return out
+
+
+def _feed_statistics(metric: AttentionStatistics, calls: list[StatisticsCall]) -> None:
+    """What the monitor's consumer does with each call: per-query values of the counted queries."""
+    for layer, q, k, padding in calls:
+        support = Support(q.shape[2], k.shape[2], padding_mask=torch.tensor(padding), causal=True)
+        metric.update(
+            layer,
+            max_logit=attention_max_logit(q, k, mask=support),
+            distance=attention_distance(q, k, mask=support),
+            is_sample=support.is_sample(),
+        )
+
+
 # --------------------------------------------------------------------------- counting collectives
 
 
@@ -220,6 +260,17 @@ def _run_scenarios(rank: int) -> dict[str, Any]:
         peak.update(layer, values)
     out["peak"], out["peak_collectives"] = _counted_compute(peak)
     out["peak_layers"] = peak.layers
+
+    statistics = AttentionStatistics()
+    _feed_statistics(statistics, _statistics_shard(rank))
+    summary, out["statistics_collectives"] = _counted_compute(statistics)
+    out["statistics"] = {
+        "layers": summary.layers,
+        **{
+            name: getattr(summary, name).clone()
+            for name in ("max_logit", "layer_max_logit", "logit_count", "distance", "distance_count")
+        },
+    }
 
     mass = AttentionMass(num_bins=20)
     for key, values, is_sample in _mass_shard(rank):
@@ -351,7 +402,7 @@ def test_layers_matched_by_name(ranks: list[dict[str, Any]], scenario: str) -> N
     assert ranks[1]["idle_rank"]["layers"] == ["x", "y"]
 
 
-@pytest.mark.parametrize("scenario", ["eight_layers", "order", "idle_rank", "peak"])
+@pytest.mark.parametrize("scenario", ["eight_layers", "order", "idle_rank", "peak", "statistics"])
 def test_one_compute_takes_at_most_three_collectives(ranks: list[dict[str, Any]], scenario: str) -> None:
     for rank in ranks:
         counted = rank[f"{scenario}_collectives"]
@@ -371,6 +422,45 @@ def test_max_fields_reduce_by_max(ranks: list[dict[str, Any]]) -> None:
         assert rank["peak"].keys() == expected.keys()
         for name, value in expected.items():
             assert torch.equal(rank["peak"][name], value), name
+
+
+def test_max_logit_and_distance_equal_the_float64_reference_on_the_union(ranks: list[dict[str, Any]]) -> None:
+    """Max logit is maxed across ranks, the distance sums and counts are summed: every rank gets the union.
+
+    The reference recomputes every query's max logit and mean distance in
+    float64 over its support (tests/reference.py), from both ranks' calls,
+    and pools them per (layer, head) in plain Python. Fails when the max
+    fields are summed instead of maxed across ranks (the per-rank maxima of
+    layer "both" differ, and the layers one rank lacks hold -inf there).
+    """
+    # layer -> head -> rank -> the counted queries' values
+    logits: dict[str, list[list[list[float]]]] = {}
+    distances: dict[str, list[list[list[float]]]] = {}
+    for rank in range(WORLD_SIZE):
+        for layer, q, k, padding in _statistics_shard(rank):
+            batch, heads, length, _ = q.shape
+            spec = reference.MaskSpec(batch, heads, length, length, padding=padding, causal=True)
+            dense, counted = reference.dense_support(spec), reference.is_sample(spec)
+            values = reference.max_logit_from_qk(q, k, dense), reference.distance_from_qk(q, k, dense)
+            for pooled, value in zip((logits, distances), values, strict=True):
+                per_head = pooled.setdefault(layer, [[[] for _ in range(WORLD_SIZE)] for _ in range(heads)])
+                for head in range(heads):
+                    per_head[head][rank] += value[:, head][counted[:, head]].tolist()
+    both = [[max(per_rank) for per_rank in head] for head in logits["both"]]
+    assert all(abs(max(peaks) - sum(peaks)) > 0.1 for peaks in both)  # a sum of the ranks' maxima is no maximum
+    for rank in ranks:
+        got = rank["statistics"]
+        assert got["layers"] == ["both", "only0", "only1"]
+        for index, layer in enumerate(got["layers"]):
+            union_logits = [[v for per_rank in head for v in per_rank] for head in logits[layer]]
+            union_distances = [[v for per_rank in head for v in per_rank] for head in distances[layer]]
+            want_max = [max(values) for values in union_logits]
+            want_distance = [math.fsum(values) / len(values) for values in union_distances]
+            assert got["logit_count"][index].tolist() == [len(values) for values in union_logits], layer
+            assert got["distance_count"][index].tolist() == [len(values) for values in union_distances], layer
+            assert got["max_logit"][index].tolist() == pytest.approx(want_max, rel=1e-5, abs=1e-5), layer
+            assert float(got["layer_max_logit"][index]) == pytest.approx(max(want_max), rel=1e-5, abs=1e-5)
+            assert got["distance"][index].tolist() == pytest.approx(want_distance, rel=1e-4, abs=1e-4), layer
 
 
 def test_attention_mass_syncs_by_name_with_nonfinite(ranks: list[dict[str, Any]]) -> None:
