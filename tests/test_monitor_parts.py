@@ -50,7 +50,9 @@ def test_schedule_batches_epochs_and_steps() -> None:
     assert BatchSchedule(batches=[5, 1, 5]).sampled_indices(10) == (1, 5)
     assert BatchSchedule(batches=3).sampled_indices(10) == (0, 1, 2)
     schedule = BatchSchedule(every_n_epochs=3, skip_sanity_check=False, train_every_n_steps=2)
-    assert [schedule.validation_run(False, epoch) for epoch in range(4)] == [True, False, False, True]
+    # As Lightning's check_val_every_n_epoch and ModelCheckpoint(every_n_epochs) count: (epoch + 1) % n == 0.
+    assert [schedule.validation_run(False, epoch) for epoch in range(6)] == [False, False, True, False, False, True]
+    assert schedule.validation_run(False, 0, fitting=False)  # Trainer.validate: always
     assert schedule.validation_run(True, 1)
     assert not BatchSchedule().validation_run(True, 0)
     # Gradient accumulation: global_step repeats; one recording per optimizer step.
@@ -65,6 +67,8 @@ def test_schedule_batches_epochs_and_steps() -> None:
         True,
     ]
     assert not any(BatchSchedule().training_step(step) for step in range(5))
+    schedule.reset()  # a new run: its step 0 is recorded, although the last run's was too
+    assert schedule.training_step(0)
     with pytest.raises(ValueError, match="known length"):
         BatchSchedule(random_sample=True).sampled_indices(float("inf"))
 
