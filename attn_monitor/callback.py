@@ -17,12 +17,14 @@ own, and the data flows one way through them:
   and pictures; :class:`~attn_monitor.comparison.SummaryArchive`: what is saved.
 
 At the end of a monitored validation run every rank computes each stream's
-summary (a collective) and logs its means with ``LightningModule.log``, so
-they reach ``trainer.callback_metrics`` (``EarlyStopping`` and
-``ModelCheckpoint`` can monitor them) and every logger at the step of the
-module's own validation metrics; rank zero writes the other scalars and the
-rest at that step, and the streams are reset. When training ends, each
-layer's heads-over-training picture is written once.
+summary (a collective) and logs its means with ``LightningModule.log`` (they
+reach every logger at the step of the module's own validation metrics), and
+puts every per-layer statistic into ``trainer.callback_metrics``
+(``EarlyStopping`` and ``ModelCheckpoint`` can monitor them); rank zero
+writes the other scalars and the rest at that step, and the streams are
+reset. When training ends, each layer's heads-over-training picture is
+written once; its history is part of the checkpoint state. Each run (fit,
+validate) starts from zero at setup.
 Outside recorded batches the capture's hooks pass straight through.
 """
 
@@ -76,10 +78,15 @@ class AttentionEntropyMonitor(Callback):
         random_sample: draw ``batches`` indices at random over the epoch, with
             ``seed``; the draw is made once and reused every epoch.
         seed: seed of the random draw.
-        every_n_epochs: monitor the validation runs of every n-th epoch (each of them).
+        every_n_epochs: monitor the validation runs of every n-th epoch (each
+            of them): epochs e with ``(e + 1) % n == 0``, as Lightning's
+            ``check_val_every_n_epoch`` counts; ``Trainer.validate`` always.
+            A fit whose validations were never monitored warns once at its end.
         skip_sanity_check: leave out the sanity-check validation run.
         train_every_n_steps: also record one training step every n steps and
-            log it under ``{prefix}_train`` (None: off).
+            log it under ``{prefix}_train`` (None: off). The record covers the
+            step's forward pass, up to its first backward (gradient
+            checkpointing reruns forwards there).
         padding_mask: ``padding_mask(batch) -> (batch, seq)`` mask of real
             tokens; by default a dict batch's ``attention_mask``. Queries
             outside it are not samples.
@@ -269,7 +276,8 @@ class AttentionEntropyMonitor(Callback):
         if self.recorder.attached:
             return
         self.options.check(trainer.loggers)
-        self._reset()  # before Lightning restores a checkpoint's state into the monitor
+        if stage in ("fit", "validate"):  # before Lightning restores a checkpoint's state into the monitor
+            self._reset()
         self._loggers = list(trainer.loggers) if trainer.is_global_zero else []
         self.recorder.attach(pl_module, pl_module.device)
 

@@ -12,6 +12,7 @@ class's MRO), so nothing here imports PEFT or Lightning.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 
 from torch import nn
@@ -45,7 +46,7 @@ def named_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
     Each module is yielded once (the first path that reaches it, as
     ``named_modules`` does); what a wrapper holds is named as the wrapper.
-    A name that would repeat another module's otherwise keeps its full path.
+    Where two other modules would share a name, both keep their full paths.
 
     Example:
         >>> import torch
@@ -56,23 +57,24 @@ def named_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         >>> [name for name, _ in named_layers(wrapped)]
         ['', '', '0']
     """
+    entries: list[tuple[str, str, bool, nn.Module]] = []  # (full, short, holds its wrapper's name, module)
     seen: set[int] = set()
-    names: set[str] = set()
 
-    def visit(module: nn.Module, full: str, short: str, wrapped: bool) -> Iterator[tuple[str, nn.Module]]:
+    def visit(module: nn.Module, full: str, short: str, wrapped: bool) -> None:
         if id(module) in seen:
             return
         seen.add(id(module))
-        # What a wrapper holds takes the wrapper's name; any other repeated name keeps its full path.
-        name = full if short in names and not wrapped else short
-        names.add(name)
-        yield name, module
+        entries.append((full, short, wrapped, module))
         dropped = _wrapped_segments(module)
         for child_name, child in module.named_children():
             child_full = f"{full}.{child_name}" if full else child_name
             if child_name in dropped:
-                yield from visit(child, child_full, name, True)
+                visit(child, child_full, short, True)
             else:
-                yield from visit(child, child_full, f"{name}.{child_name}" if name else child_name, False)
+                visit(child, child_full, f"{short}.{child_name}" if short else child_name, False)
 
-    yield from visit(model, "", "", True)
+    visit(model, "", "", True)
+    # What a wrapper holds shares the wrapper's name; two other modules on one name keep their full paths.
+    owners = Counter(short for _, short, wrapped, _ in entries if not wrapped)
+    for full, short, _, module in entries:
+        yield (full if owners[short] > 1 else short), module

@@ -8,10 +8,14 @@ sequences of 12 with right padding.
   causal order with the batch's ``attention_mask`` (padding keys hidden).
 * :class:`HFLM`: a tiny random Hugging Face causal LM (``attn_implementation
   ="sdpa"``) wrapped in a LightningModule.
+* :class:`LoraLM`: that GPT-2 under PEFT LoRA adapters (random, not a no-op);
+  :class:`CompiledGPT`: a :class:`TinyGPT` compiled before fit: the wrappers
+  whose name segments the monitor drops.
 * :class:`BatchRecorder`: a callback that keeps, independently of the monitor,
   the weights and the batches of every validation run (and of chosen training
   steps), so a test can recompute entropy after ``fit``.
-* :class:`MemoryLogger`: a Lightning logger that keeps what it is given.
+* :class:`MemoryLogger`: a Lightning logger that keeps what it is given;
+  :class:`WarningsToFile`: the warnings of each (DDP) process, on disk.
 
 Both modules take dict batches ``{"input_ids", "attention_mask"}`` and can be
 told to raise inside a validation or training step; :class:`TinyGPT` can be

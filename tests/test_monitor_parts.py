@@ -73,6 +73,41 @@ def test_schedule_batches_epochs_and_steps() -> None:
         BatchSchedule(random_sample=True).sampled_indices(float("inf"))
 
 
+# --------------------------------------------------------------------------- layer names
+
+
+def test_named_layers_drop_exactly_the_wrapper_segments() -> None:
+    """Nested wrappers (DataParallel around torch's checkpoint_wrapper) lose their segments; a user's own
+    ``module`` attribute keeps its name, and a name that would repeat keeps its full path."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from attn_monitor.names import named_layers
+
+    class Own(nn.Module):  # not a wrapper: its child named `module` is part of the user's names
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+    inner = nn.ModuleDict({"attn": checkpoint_wrapper(nn.Linear(2, 2)), "own": Own()})
+    wrapped = nn.DataParallel(inner)
+    assert "module.attn._checkpoint_wrapped_module" in dict(wrapped.named_modules())
+    names = {id(module): name for name, module in named_layers(wrapped)}
+    assert names[id(inner["attn"]._checkpoint_wrapped_module)] == "attn"
+    assert names[id(inner["own"].module)] == "own.module"
+    assert names[id(inner)] == ""
+
+    class PeftModel(nn.Module):  # a wrapper (by class name) with a child of its own besides what it holds
+        def __init__(self) -> None:
+            super().__init__()
+            self.base_model = nn.ModuleDict({"x": nn.Linear(2, 2), "y": nn.Linear(2, 2)})
+            self.x = nn.Linear(2, 2)
+
+    clash = PeftModel()
+    names = {id(module): name for name, module in named_layers(clash)}
+    assert names[id(clash.base_model["x"])] == "base_model.x" and names[id(clash.x)] == "x"  # both full
+    assert names[id(clash.base_model["y"])] == "y"
+
+
 # --------------------------------------------------------------------------- alerts
 
 
