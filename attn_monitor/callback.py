@@ -244,6 +244,8 @@ class AttentionEntropyMonitor(Callback):
         #: This run's validation runs outside the sanity check: (epochs seen, runs that logged a summary).
         self._validation_epochs: list[int] = []
         self._logged_validations = 0
+        #: The state loaded since the last run started (by Lightning from a checkpoint, or by hand).
+        self._loaded_state: dict[str, Any] | None = None
 
     # -- what other code reads ----------------------------------------------
     @property
@@ -278,8 +280,18 @@ class AttentionEntropyMonitor(Callback):
         self.options.check(trainer.loggers)
         if stage in ("fit", "validate"):  # before Lightning restores a checkpoint's state into the monitor
             self._reset()
+            if self._loaded_state is not None:  # a state loaded by hand before this run is where it starts
+                self.load_state_dict(self._loaded_state)
         self._loggers = list(trainer.loggers) if trainer.is_global_zero else []
         self.recorder.attach(pl_module, pl_module.device)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._loaded_state = None  # restored (or not) for this run; the next run starts from zero
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._loaded_state = None
 
     def _reset(self) -> None:
         """Start a run from zero: a monitor reused after a failed or finished run carries none of its counts."""
@@ -504,6 +516,7 @@ class AttentionEntropyMonitor(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded_state = state_dict
         self.schedule.load_state_dict(state_dict)
         self.dashboards.load_state_dict(state_dict)
         first = state_dict.get("first_medians") or {}
