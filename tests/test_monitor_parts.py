@@ -12,6 +12,7 @@ import random
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -342,3 +343,28 @@ def test_collect_with_nothing_recorded_is_none_and_quiet() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert recorder.collect(0) == (None, None)
+
+
+# --------------------------------------------------------------------------- dashboards history
+
+
+def test_dashboards_history_round_trips_through_a_weights_only_checkpoint(tmp_path: Any) -> None:
+    """The heads-over-training history survives torch.save / torch.load(weights_only=True), NaN heads included."""
+    from attn_monitor.loggers import Dashboards, LogOptions
+
+    dashboards = Dashboards(LogOptions())
+    for step, heads in ((3, [0.2, 0.9]), (7, [0.1, 0.8])):
+        dashboards.remember(_summary(heads, layer="h.0"), step, prefix="attn_entropy")
+        dashboards.remember(_summary(heads[:1], layer="h.1"), step, prefix="attn_entropy", suffix="/dataloader_idx_1")
+    torch.save(dashboards.state_dict(), tmp_path / "state.pt")
+    restored = Dashboards(LogOptions())
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    for layer, suffix in (("h.0", ""), ("h.1", "/dataloader_idx_1")):
+        steps, medians = restored.medians_over_time(layer, prefix="attn_entropy", suffix=suffix)
+        want_steps, want = dashboards.medians_over_time(layer, prefix="attn_entropy", suffix=suffix)
+        assert steps == want_steps == [3, 7]
+        assert np.array_equal(medians, want, equal_nan=True)
+    assert abs(float(restored.medians_over_time("h.0", prefix="attn_entropy")[1][0, 1]) - 0.1) <= 0.01
+    restored.reset()
+    steps, medians = restored.medians_over_time("h.0", prefix="attn_entropy")
+    assert steps == [] and medians.size == 0
