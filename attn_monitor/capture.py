@@ -89,6 +89,7 @@ from attn_monitor.flex import is_flex_attention, read_flex_call
 from attn_monitor.functional import Method
 from attn_monitor.masks import Support
 from attn_monitor.metric import AttentionEntropy, EntropySummary
+from attn_monitor.names import named_layers
 from attn_monitor.shared import WarnOnce, describe, matches
 
 __all__ = ["AttentionCapture", "default_document_ids", "default_padding_mask", "evaluate_attention"]
@@ -265,12 +266,15 @@ class AttentionCapture:
         if self.layers is not None and not all(isinstance(p, str) for p in self.layers):
             raise TypeError(f"Expected `layers` to be patterns (str), got {self.layers!r}.")
         self.consumers: list[Consumer] = [EntropyUpdate(self.metric, method=method)]
-        self._names = {id(module): name for name, module in model.named_modules()}
+        # Layer names as the unwrapped model has them (no `_orig_mod.`, `module.`, ...): see attn_monitor.names.
+        named = list(named_layers(model))
+        self._layers = dict(named)
+        self._names = {id(module): name for name, module in named}
         # The model itself has the empty name; its layer is called by its class.
         self._param_owner = {
             id(module.in_proj_weight if module.in_proj_weight is not None else module.q_proj_weight): name
             or type(module).__name__
-            for name, module in model.named_modules()
+            for name, module in named
             if isinstance(module, nn.MultiheadAttention)
         }
         self._automatic: set[str] = set()
@@ -318,7 +322,8 @@ class AttentionCapture:
                 raise ValueError(f"Adapter pattern {pattern!r} matches no module of {type(self.model).__name__}.")
             resolved.update(dict.fromkeys(matched, adapter))
         # Hugging Face eager attention, anywhere inside ``model`` (a LightningModule, a wrapper).
-        for name, (module, index) in hf_eager_attention(self.model).items():
+        for module, index in hf_eager_attention(self.model).values():
+            name = self._names[id(module)]
             if name not in resolved:
                 resolved[name] = hf_eager_adapter(module, index)
                 self._automatic.add(name)
@@ -345,7 +350,7 @@ class AttentionCapture:
         """Modules that may call SDPA: attention by class name, not MHA (the mode sees MHA)."""
         return {
             name or type(module).__name__: module
-            for name, module in self.model.named_modules()
+            for name, module in self._layers.items()
             if name not in self._adapters
             and not isinstance(module, nn.MultiheadAttention)
             and ATTENTION_CLASS.search(type(module).__name__)
@@ -365,7 +370,7 @@ class AttentionCapture:
                 self._handles.append(module.register_forward_pre_hook(self._push(name), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._pop(name), always_call=True))
             for name, adapter in self._adapters.items():
-                module = self.model.get_submodule(name)
+                module = self._layers[name]
                 hook = self._adapter_hook(name, adapter)
                 self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         except BaseException:

@@ -4,10 +4,11 @@ Scalar names follow one rule (:func:`group_heads`): per-layer statistics stay
 in their family's group (``attn_entropy/{layer}/q50``), per-head values move
 to ``{family}_heads/{layer}/head_{h}/{stat}``, so the main group stays short
 however many heads a model has. Inside Lightning the callback logs the
-means with ``LightningModule.log`` (:func:`in_callback_metrics`: they reach
-``trainer.callback_metrics`` and every logger at the step of the module's
-own validation metrics); the other scalars and the rest are written here by
-:class:`Dashboards` at that same step:
+means with ``LightningModule.log`` (:func:`logged_through_lightning`: they
+reach every logger at the step of the module's own validation metrics), puts
+every per-layer statistic (:func:`per_layer`) into
+``trainer.callback_metrics``, and the other scalars and the rest are written
+here by :class:`Dashboards` at that same step:
 
 * TensorBoard, as one event per step: the scalars, one histogram per layer
   (raw, from the metric's own bins), the heatmap image; a Custom Scalars
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from attn_monitor.figures import Picture, heatmap_picture, history_picture, median_grid, png_bytes
 from attn_monitor.functional import coarsen
@@ -45,9 +47,10 @@ __all__ = [
     "LogOptions",
     "group_heads",
     "head_group",
-    "in_callback_metrics",
     "log_summary",
+    "logged_through_lightning",
     "logger_kind",
+    "per_layer",
     "send_alert",
     "summary_scalars",
     "tensorboard_layout",
@@ -102,24 +105,36 @@ def group_heads(scalars: Mapping[str, float]) -> dict[str, float]:
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same few thousand names at every validation
-def in_callback_metrics(name: str, suffix: str = "") -> bool:
-    """Whether the monitor logs ``name`` with ``LightningModule.log``, so that it reaches ``trainer.callback_metrics``.
+def logged_through_lightning(name: str, suffix: str = "") -> bool:
+    """Whether the monitor logs ``name`` with ``LightningModule.log``: each family's overall and per-layer means.
 
-    Each family's overall and per-layer means do: what ``EarlyStopping`` or
-    ``ModelCheckpoint`` would watch. Every other scalar (quantiles, per-head
-    values, counts) goes to the loggers directly at the same step: Lightning's
-    ``log`` costs 0.5-0.8 ms per name, more as names pile up
-    (0.4 s for 1000 names), and a 32-layer, 32-head model logs 2300.
+    These also reach every logger at the step of the module's own
+    validation metrics and ``Trainer.validate``'s results. Lightning's
+    ``log`` costs 0.5-0.8 ms per name, more as names pile up (0.4 s for 1000
+    names), and a 32-layer, 32-head model logs 2300: every other scalar goes
+    to the loggers directly at the same step.
 
     Example:
-        >>> in_callback_metrics("attn_entropy/mean"), in_callback_metrics("attn_sink_mass/h.0/mean")
+        >>> logged_through_lightning("attn_entropy/mean"), logged_through_lightning("attn_sink_mass/h.0/mean")
         (True, True)
-        >>> in_callback_metrics("attn_entropy/h.0/q50"), in_callback_metrics("attn_entropy_heads/h.0/head_1/mean")
-        (False, False)
-        >>> in_callback_metrics("attn_entropy/h.0/mean/dataloader_idx_1", suffix="/dataloader_idx_1")
+        >>> logged_through_lightning("attn_entropy/h.0/q50")
+        False
+        >>> logged_through_lightning("attn_entropy_heads/h.0/head_1/mean")
+        False
+        >>> logged_through_lightning("attn_entropy/h.0/mean/dataloader_idx_1", suffix="/dataloader_idx_1")
         True
     """
-    return name.removesuffix(suffix).endswith("/mean") and not name.split("/", 1)[0].endswith("_heads")
+    return name.removesuffix(suffix).endswith("/mean") and per_layer(name)
+
+
+def per_layer(name: str) -> bool:
+    """Whether ``name`` is an overall or per-layer statistic, not a per-head one: it reaches ``callback_metrics``.
+
+    Example:
+        >>> per_layer("attn_entropy/h.0/q50"), per_layer("attn_entropy_heads/h.0/head_1/q50")
+        (True, False)
+    """
+    return not name.split("/", 1)[0].endswith("_heads")
 
 
 def summary_scalars(
@@ -381,6 +396,31 @@ class Dashboards:
             history.pop()
         history.append((step, entry))
         return grid
+
+    def state_dict(self) -> dict[str, Any]:
+        """The history, for a checkpoint: a resumed run draws what an uninterrupted one would.
+
+        Lists, strings, ints and tensors only, so ``torch.load(..., weights_only=True)`` reads it.
+        """
+        history = [
+            [prefix, suffix, step, {layer: torch.tensor(medians) for layer, medians in entry.items()}]
+            for (prefix, suffix), entries in self.history.items()
+            for step, entry in entries
+        ]
+        return {"history": history}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace the history with a checkpoint's (see :meth:`state_dict`)."""
+        self.history = {}
+        for prefix, suffix, step, entry in state.get("history", []):
+            medians = {layer: np.asarray(values, dtype=np.float64) for layer, values in entry.items()}
+            self.history.setdefault((prefix, suffix), []).append((int(step), medians))
+
+    def reset(self) -> None:
+        """Forget the history and the layouts written: a new run starts from zero."""
+        self.history = {}
+        self._layouts = {}
+        self._laid_out = {}
 
     def medians_over_time(self, layer: str, *, prefix: str, suffix: str = "") -> tuple[list[int], np.ndarray]:
         """Steps and the (heads, steps) medians of ``layer`` (NaN where it was not seen)."""

@@ -25,6 +25,7 @@ from attn_monitor.consumers import EntropyUpdate
 from attn_monitor.diagnostics import MassDiagnostics
 from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate
 from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
+from attn_monitor.names import named_layers
 from attn_monitor.shared import WarnOnce, matches
 
 __all__ = ["BatchMask", "Recorder", "Stream"]
@@ -141,13 +142,17 @@ class Recorder:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected `module(pl_module)` to return an nn.Module, got {type(model).__name__}.")
         if self.layers is not None:
-            names = [name for name, _ in model.named_modules() if name]
+            names = [name for name, _ in named_layers(model) if name]
             unmatched = [p for p in self.layers if not any(matches(name, p) for name in names)]
             if unmatched:
                 raise ValueError(f"Layer patterns {unmatched} match no module of {type(model).__name__}.")
         self._device = torch.device(device)
         # Inside a training run a call the capture cannot read is skipped and named, never raised.
         self.capture = AttentionCapture(model, layers=self.layers, adapters=self.adapters, errors="warn").attach()
+
+    def reset(self) -> None:
+        """Drop every stream and what it holds (partial counts of a run that failed): the next starts from zero."""
+        self.streams.clear()
 
     def release(self) -> None:
         """Remove the capture's hooks; the streams stay."""

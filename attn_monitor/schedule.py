@@ -25,7 +25,10 @@ class BatchSchedule:
         random_sample: draw ``batches`` indices at random, once per
             dataloader (seeded by ``seed + dataloader_idx``), reused every epoch.
         seed: seed of the draw.
-        every_n_epochs: record the validation runs of every n-th epoch (each of them).
+        every_n_epochs: record the validation runs of every n-th epoch (each
+            of them), counted as Lightning counts ``check_val_every_n_epoch``
+            and ``ModelCheckpoint(every_n_epochs=...)``: epochs ``e`` with
+            ``(e + 1) % n == 0``. Validations outside ``fit`` are all recorded.
         skip_sanity_check: leave out the sanity-check validation run.
         train_every_n_steps: record one training batch every n optimizer
             steps (None: never).
@@ -35,8 +38,10 @@ class BatchSchedule:
 
     Example:
         >>> schedule = BatchSchedule(batches=2, every_n_epochs=2, train_every_n_steps=3)
-        >>> schedule.validation_run(sanity_checking=False, epoch=2), schedule.validation_run(False, 3)
+        >>> schedule.validation_run(sanity_checking=False, epoch=1), schedule.validation_run(False, 2)
         (True, False)
+        >>> schedule.validation_run(False, 2, fitting=False)  # Trainer.validate
+        True
         >>> schedule.sampled_indices(num_batches=10)
         (0, 1)
         >>> [step for step in (0, 0, 1, 2, 3, 3) if schedule.training_step(step)]  # twice 0: accumulation
@@ -74,11 +79,11 @@ class BatchSchedule:
         self._drawn: dict[int, tuple[int, ...]] = {}
         self._last_train_step = -1
 
-    def validation_run(self, sanity_checking: bool, epoch: int) -> bool:
-        """Whether the validation run now starting is recorded."""
+    def validation_run(self, sanity_checking: bool, epoch: int, fitting: bool = True) -> bool:
+        """Whether the validation run now starting, in ``epoch`` (0-based), is recorded."""
         if sanity_checking:
             return not self.skip_sanity_check
-        return epoch % self.every_n_epochs == 0
+        return not fitting or (epoch + 1) % self.every_n_epochs == 0
 
     def sampled_indices(self, num_batches: int | float, dataloader_idx: int = 0) -> tuple[int, ...]:
         """Batch indices recorded in a validation dataloader of ``num_batches`` batches.
@@ -110,6 +115,11 @@ class BatchSchedule:
             return False
         self._last_train_step = global_step
         return True
+
+    def reset(self) -> None:
+        """Forget the draws and the last recorded training step: a new run starts from zero."""
+        self._drawn = {}
+        self._last_train_step = -1
 
     def state_dict(self) -> dict[str, Any]:
         """The random draws, so a resumed run records the same batches."""

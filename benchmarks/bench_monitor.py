@@ -67,6 +67,8 @@ from torch.utils.data import DataLoader
 from train_tiny_gpt import MAX_LEN, CopyDataset, CopyModel  # type: ignore[import-not-found]
 
 from attn_monitor import AttentionEntropy, AttentionEntropyMonitor
+from attn_monitor import callback as callback_module
+from attn_monitor.loggers import logged_through_lightning, per_layer
 
 BATCH_SIZE = 64
 NUM_LAYERS = 2  # the demo's TinyGPT
@@ -478,10 +480,15 @@ class WideModel(pl.LightningModule):
 
 class _TimedMonitor(AttentionEntropyMonitor):
     """The monitor, timing its validation-end hook (where every per-validation fixed cost is paid)
-    and, inside it, Lightning's ``LightningModule.log_dict`` of the means."""
+    and, inside it, Lightning's ``LightningModule.log_dict`` of the means.
 
-    def __init__(self, **kwargs: Any) -> None:
+    ``everything_through_log``: every per-layer statistic goes through ``log_dict``, not only the
+    means: the other way to reach ``trainer.callback_metrics``, timed for comparison.
+    """
+
+    def __init__(self, everything_through_log: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.everything_through_log = everything_through_log
         self.epoch_end_seconds: list[float] = []
         self.log_dict_seconds: list[float] = []
 
@@ -495,11 +502,14 @@ class _TimedMonitor(AttentionEntropyMonitor):
             logged.append(time.perf_counter() - begin)
 
         pl_module.log_dict = timed_log_dict  # type: ignore[method-assign]
+        if self.everything_through_log:
+            callback_module.logged_through_lightning = lambda name, suffix="": per_layer(name)
         start = time.perf_counter()
         try:
             super().on_validation_epoch_end(trainer, pl_module)
         finally:
             del pl_module.log_dict  # the instance attribute: the method shows through again
+            callback_module.logged_through_lightning = logged_through_lightning
         self.epoch_end_seconds.append(time.perf_counter() - start)
         self.log_dict_seconds.append(sum(logged))
 
@@ -517,6 +527,11 @@ def bench_fixed_cost(layers: int, heads: int, repeats: int, threads: int) -> str
         "no monitor": None,
         "default logging": {},
         "scalars only": {"histogram_bins": None, "heatmap": False},
+        "scalars only, every per-layer statistic through `log_dict`": {
+            "histogram_bins": None,
+            "heatmap": False,
+            "everything_through_log": True,
+        },
     }
     monitors = {name: _TimedMonitor(batches=1, **options) for name, options in configs.items() if options is not None}
     with tempfile.TemporaryDirectory() as logdir:
@@ -545,7 +560,8 @@ def bench_fixed_cost(layers: int, heads: int, repeats: int, threads: int) -> str
         f"`Trainer.validate` over two batches of 4 x 16 tokens, one of them recorded, {threads} torch thread(s), "
         f"one Trainer + TensorBoardLogger per row kept across {repeats} interleaved repeats (as the validations "
         "of one fit). At the validation end the monitor computes its summary, runs the alerts and logs "
-        f"{layers * 8 + 1} per-layer and overall scalars ({layers + 1} means through `LightningModule.log`), "
+        f"{layers * 8 + 1} per-layer and overall scalars ({layers + 1} means through `LightningModule.log`, "
+        "all of them in `trainer.callback_metrics`), "
         f"{layers * heads * 2} per-head scalars and, with default logging, {layers} histograms and the heatmap: "
         "the fixed cost of a validation, timed inside the monitor's `on_validation_epoch_end` (TensorBoard "
         "serialises and writes the event in its own thread afterwards); of it, Lightning's `log_dict` of the "
@@ -582,6 +598,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--sync-tokens", type=float, default=1e4, help="tokens per rank per layer in (c)")
     parser.add_argument("--sync-repeats", type=int, default=7, help="timed compute() calls per row (default 7)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children of (a)")
+    parser.add_argument("--sections", default="abcd", help="which of (a)-(d) to run (default abcd)")
     args = parser.parse_args(argv)
     if args.val_batches < 2:
         parser.error("--val-batches must be at least 2")
@@ -600,6 +617,8 @@ def main(argv: list[str] | None = None) -> str:
             ("c", lambda: bench_sync(args.sync_layers, int(args.sync_tokens), args.sync_repeats, args.threads)),
             ("d", lambda: bench_fixed_cost(32, 32, args.repeats, args.threads)),
         ):
+            if name not in args.sections:
+                continue
             section_start = time.perf_counter()
             sections.append(run())
             timings.append(f"({name}) {time.perf_counter() - section_start:.0f} s")

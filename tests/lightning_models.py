@@ -8,10 +8,14 @@ sequences of 12 with right padding.
   causal order with the batch's ``attention_mask`` (padding keys hidden).
 * :class:`HFLM`: a tiny random Hugging Face causal LM (``attn_implementation
   ="sdpa"``) wrapped in a LightningModule.
+* :class:`LoraLM`: that GPT-2 under PEFT LoRA adapters (random, not a no-op);
+  :class:`CompiledGPT`: a :class:`TinyGPT` compiled before fit: the wrappers
+  whose name segments the monitor drops.
 * :class:`BatchRecorder`: a callback that keeps, independently of the monitor,
   the weights and the batches of every validation run (and of chosen training
   steps), so a test can recompute entropy after ``fit``.
-* :class:`MemoryLogger`: a Lightning logger that keeps what it is given.
+* :class:`MemoryLogger`: a Lightning logger that keeps what it is given;
+  :class:`WarningsToFile`: the warnings of each (DDP) process, on disk.
 
 Both modules take dict batches ``{"input_ids", "attention_mask"}`` and can be
 told to raise inside a validation or training step; :class:`TinyGPT` can be
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any
@@ -127,6 +132,8 @@ class _LMSteps(pl.LightningModule):
 
     fail_on_val_batch: int | None = None
     fail_on_train_batch: int | None = None
+    #: What a chosen step raises: RuntimeError, or KeyboardInterrupt as Ctrl-C would.
+    fail_with: type[BaseException] = RuntimeError
     nan_on_val_batch: int | None = None
     lr: float
     _diverging = False
@@ -134,7 +141,7 @@ class _LMSteps(pl.LightningModule):
     def _maybe_fail(self, kind: str, batch_idx: int) -> None:
         target = self.fail_on_val_batch if kind == "val" else self.fail_on_train_batch
         if target is not None and batch_idx == target:
-            raise RuntimeError(f"{kind} step {batch_idx} failed on purpose")
+            raise self.fail_with(f"{kind} step {batch_idx} failed on purpose")
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         self._maybe_fail("train", batch_idx)
@@ -184,13 +191,60 @@ class TinyGPT(_LMSteps):
 class HFLM(_LMSteps):
     """A tiny random ``family`` causal LM (sdpa attention by default) as a LightningModule; ``self.model`` is it."""
 
-    def __init__(self, family: str = "gpt2", lr: float = 1e-2, seed: int = 0, implementation: str = "sdpa") -> None:
+    def __init__(
+        self,
+        family: str = "gpt2",
+        lr: float = 1e-2,
+        seed: int = 0,
+        implementation: str = "sdpa",
+        gradient_checkpointing: bool = False,
+    ) -> None:
         super().__init__()
         self.lr = lr
         self.model = models.hf_model(family, implementation, seed=seed).train()
+        if gradient_checkpointing:  # backward() reruns each layer's forward
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+class LoraLM(_LMSteps):
+    """The tiny GPT-2 of :class:`HFLM` with PEFT LoRA adapters on ``c_attn``, randomly initialised (not a no-op).
+
+    ``self.model`` is the ``PeftModel``: its attention modules are named
+    ``model.base_model.model.transformer.h.{i}.attn``.
+    """
+
+    def __init__(self, lr: float = 0.0, seed: int = 0) -> None:
+        super().__init__()
+        import peft
+
+        self.lr = lr
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], init_lora_weights=False)
+        torch.manual_seed(seed)
+        self.model = peft.get_peft_model(models.hf_model("gpt2", "sdpa", seed=seed), config)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def merged_state(self) -> dict[str, Tensor]:
+        """The plain GPT-2 weights with the adapters merged in, named as :class:`HFLM`'s (``model.`` prefix)."""
+        merged = copy.deepcopy(self.model).merge_and_unload()
+        return {f"model.{name}": value for name, value in merged.state_dict().items()}
+
+
+class CompiledGPT(_LMSteps):
+    """A :class:`TinyGPT` compiled (``aot_eager``) before fit, as ``self.model``: ``model._orig_mod.blocks...``."""
+
+    def __init__(self, lr: float = 0.0, seed: int = 0) -> None:
+        super().__init__()
+        self.lr = lr
+        self.inner = [TinyGPT(seed=seed)]  # a list: not a second child module
+        self.model = torch.compile(self.inner[0], backend="aot_eager")
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.model(input_ids, attention_mask)
 
 
 # --------------------------------------------------------------------------- recording helpers
@@ -246,6 +300,29 @@ class BatchRecorder(pl.Callback):
     ) -> None:
         if self.train_every is not None and trainer.global_step % self.train_every == 0:
             self.train.append({"step": trainer.global_step, "state": self._state(pl_module), "batch": _clone(batch)})
+
+
+class WarningsToFile(pl.Callback):
+    """Record every warning from setup to teardown and write their messages to ``{directory}/warnings_rank{r}.txt``.
+
+    For runs in other processes (DDP), whose warnings the test process cannot catch.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._catching: Any = None
+        self._caught: list[Any] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._catching = warnings.catch_warnings(record=True)
+        self._caught = self._catching.__enter__()
+        warnings.simplefilter("always")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._catching.__exit__(None, None, None)
+        path = f"{self.directory}/warnings_rank{trainer.global_rank}.txt"
+        with open(path, "w") as handle:
+            handle.write("\n".join(str(w.message).replace("\n", " ") for w in self._caught))
 
 
 class MemoryLogger(Logger):

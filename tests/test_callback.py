@@ -29,6 +29,8 @@ from __future__ import annotations
 import copy
 import csv
 import glob
+import io
+import json
 import math
 import os
 import random
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -773,14 +776,15 @@ def test_random_sample_same_indices_every_epoch_and_after_reload(tmp_path: Path)
     assert resumed_means[0] == pytest.approx(want, abs=MEAN_TOL)
 
 
-def test_every_n_epochs_logs_only_even_epochs(tmp_path: Path) -> None:
+def test_every_n_epochs_counts_epochs_as_lightning_does(tmp_path: Path) -> None:
+    """every_n_epochs=2 monitors epochs 1, 3, ...: those ``ModelCheckpoint(every_n_epochs=2)`` saves at."""
     monitor = AttentionEntropyMonitor(every_n_epochs=2, histogram_bins=None, heatmap=False)
     recorder = lm.BatchRecorder()
-    logger, trainer, _, _ = _fit_memory(tmp_path, monitor, max_epochs=3, val_batches=2, extra_callbacks=[recorder])
-    # 2 training batches per epoch: validation ends at global steps 2 (epoch 0), 4 (epoch 1), 6 (epoch 2).
-    assert [(v["epoch"], v["step"]) for v in recorder.validations] == [(0, 2), (1, 4), (2, 6)]
-    assert logger.steps_of(f"{PREFIX}/mean") == [1, 5]  # Lightning's step: one less than global_step
-    assert trainer.current_epoch == 3
+    logger, trainer, _, _ = _fit_memory(tmp_path, monitor, max_epochs=4, val_batches=2, extra_callbacks=[recorder])
+    # 2 training batches per epoch: validation ends at global steps 2 (epoch 0), 4 (epoch 1), 6 (epoch 2), 8.
+    assert [(v["epoch"], v["step"]) for v in recorder.validations] == [(0, 2), (1, 4), (2, 6), (3, 8)]
+    assert logger.steps_of(f"{PREFIX}/mean") == [3, 7]  # Lightning's step: one less than global_step
+    assert trainer.current_epoch == 4
 
 
 @pytest.mark.parametrize("skip", [True, False], ids=["skip_sanity", "monitor_sanity"])
@@ -933,7 +937,12 @@ def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch:
     monitor = AttentionEntropyMonitor(batches=2, heatmap=False)
     logger = CSVLogger(tmp_path, name="ddp")
     trainer = make_trainer(
-        tmp_path, loggers=[logger], callbacks=[monitor], devices=2, strategy="ddp_fork", max_epochs=1
+        tmp_path,
+        loggers=[logger],
+        callbacks=[monitor, lm.WarningsToFile(str(tmp_path))],
+        devices=2,
+        strategy="ddp_fork",
+        max_epochs=1,
     )
     trainer.fit(model, lm.loader(train), lm.loader(val))
     # The parent's logger object never wrote (rank 0 in the child did), so find the file rather than ask it.
@@ -945,6 +954,14 @@ def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch:
     scalars = {name: float(logged[0][name]) for name in expected_names(lm.GPT_LAYERS)}
     union = gpt_reference(state, val[:4])
     check_against_reference(scalars, union)
+    # Lightning hands rank 0's callback_metrics back: every per-layer statistic, as logged.
+    for name in expected_names(lm.GPT_LAYERS) - {n for n in scalars if n.startswith(f"{PREFIX}_heads")}:
+        assert float(trainer.callback_metrics[name]) == pytest.approx(scalars[name], abs=1e-6), name
+    # Lightning's sync_dist advice: still given for the module's own val_loss, never for the monitor's means.
+    advice = (tmp_path / "warnings_rank0.txt").read_text().splitlines()
+    advice = [line for line in advice if line.startswith("It is recommended to use `self.log(")]
+    assert [line for line in advice if "'val_loss'" in line], advice
+    assert not [line for line in advice if PREFIX in line], advice
     # Not just one rank's share: rank 0's own batches give other means.
     rank0 = gpt_reference(state, [val[0], val[2]])
     assert any(
@@ -1138,3 +1155,326 @@ def test_memory_stays_flat_over_100_validation_epochs(tmp_path: Path) -> None:
     tensors_100, objects_100 = counts[99]
     assert tensors_100 <= tensors_10, counts  # fewer is fine (caches settle); one more per epoch is not
     assert objects_100 - objects_10 < 500, counts  # no growth per epoch (90 epochs in between)
+
+
+# --------------------------------------------------------------------------- real runs: gradient checkpointing
+
+
+def test_gradient_checkpointing_records_each_training_query_once(tmp_path: Path) -> None:
+    """HF GPT-2 with ``gradient_checkpointing_enable()``: backward() reruns every layer's forward.
+
+    A training record covers the forward pass only, so the training
+    histogram of each recorded step holds the batch's counted queries once
+    (it held each twice while the recording stayed open through backward()).
+    Read back from TensorBoard; values against the eager float64 reference.
+    """
+    pytest.importorskip("transformers")
+    model = lm.HFLM(lr=0.0, gradient_checkpointing=True)
+    assert model.model.is_gradient_checkpointing
+    recorder = lm.BatchRecorder(train_every=1)
+    tensorboard = TensorBoardLogger(tmp_path, name="tb")
+    monitor = AttentionEntropyMonitor(batches=0, train_every_n_steps=1)
+    trainer = make_trainer(tmp_path, loggers=[tensorboard], callbacks=[monitor, recorder], max_epochs=1)
+    trainer.fit(model, lm.loader(lm.make_batches(2, seed=3)), lm.loader(lm.make_batches(1, seed=4)))
+    accumulator = read_tensorboard(tensorboard.log_dir)
+    assert [t["step"] for t in recorder.train] == [0, 1]
+    for entry in recorder.train:
+        samples = hf_reference(entry["state"], [entry["batch"]])
+        check_against_reference(tb_scalars_at(accumulator, entry["step"], TRAIN_PREFIX), samples, TRAIN_PREFIX)
+        for layer in lm.HF_LAYERS:
+            (event,) = [e for e in accumulator.Histograms(f"{TRAIN_PREFIX}/{layer}/hist") if e.step == entry["step"]]
+            assert event.histogram_value.num == len(samples[layer].normalized), layer
+
+
+# --------------------------------------------------------------------------- real runs: validation cadences
+
+
+def test_every_n_epochs_meets_check_val_every_n_epoch(tmp_path: Path) -> None:
+    """``every_n_epochs=2``, ``check_val_every_n_epoch=2``: Lightning validates at epochs 1 and 3, both monitored."""
+    monitor = AttentionEntropyMonitor(every_n_epochs=2, histogram_bins=None, heatmap=False)
+    recorder = lm.BatchRecorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logger, _, _, _ = _fit_memory(
+            tmp_path, monitor, lr=0.05, max_epochs=4, check_val_every_n_epoch=2, extra_callbacks=[recorder]
+        )
+    assert [v["epoch"] for v in recorder.validations] == [1, 3]
+    logged = [m for _, m in logger.merged_records() if f"{PREFIX}/mean" in m]
+    assert len(logged) == 2
+    for metrics, validation in zip(logged, recorder.validations, strict=True):
+        check_against_reference(metrics, gpt_reference(validation["state"], validation["batches"][:2]))
+    assert not [w for w in caught if "none was monitored" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fit_kwargs", "named"),
+    [
+        ({"every_n_epochs": 3}, {"check_val_every_n_epoch": 2}, "`every_n_epochs=3`"),
+        ({"batches": [10]}, {}, "`batches=(10,)`"),
+    ],
+    ids=["cadence", "batches_not_reached"],
+)
+def test_validations_none_monitored_warn_once_at_fit_end(
+    tmp_path: Path, kwargs: dict[str, Any], fit_kwargs: dict[str, Any], named: str
+) -> None:
+    monitor = AttentionEntropyMonitor(histogram_bins=None, heatmap=False, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logger, _, _, _ = _fit_memory(tmp_path, monitor, max_epochs=4, **fit_kwargs)
+    assert logger.steps_of(f"{PREFIX}/mean") == []
+    (message,) = [str(w.message) for w in caught if "none was monitored" in str(w.message)]
+    assert named in message and message.startswith("attn_monitor: ")
+
+
+# --------------------------------------------------------------------------- real runs: resume
+
+
+def _history_run(root: Path, max_epochs: int, loggers: list[Any], ckpt_path: str | None = None) -> tuple[Any, ...]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    monitor = AttentionEntropyMonitor(histogram_bins=None)
+    recorder = lm.BatchRecorder()
+    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True)
+    trainer = make_trainer(
+        root,
+        loggers=loggers,
+        callbacks=[monitor, recorder, checkpoint],
+        max_epochs=max_epochs,
+        limit_train_batches=2,
+        enable_checkpointing=True,
+    )
+    trainer.fit(
+        lm.TinyGPT(lr=0.05),
+        lm.loader(lm.make_batches(2, seed=1)),
+        lm.loader(lm.make_batches(2, seed=2)),
+        ckpt_path=ckpt_path,
+    )
+    return monitor, recorder
+
+
+def test_resumed_run_draws_the_same_history_as_an_uninterrupted_one(tmp_path: Path) -> None:
+    """fit 2 epochs, resume with ``ckpt_path="last"`` to 4; against one uninterrupted 4-epoch fit.
+
+    The heads-over-training pictures (TensorBoard, read back) and the W&B
+    per-head charts (offline run file) of the resumed run hold all 4
+    validations, as the uninterrupted run's do; their medians are each
+    validation's per-head medians of the float64 reference.
+    """
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    def loggers(root: Path) -> list[Any]:
+        return [
+            TensorBoardLogger(root, name="tb"),
+            WandbLogger(save_dir=str(root), offline=True, project="attn-monitor-tests", settings=wandb_settings()),
+        ]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("WANDB_SILENT", "true")
+        _history_run(tmp_path / "resumed", 2, [TensorBoardLogger(tmp_path / "resumed", name="first")])
+        runs = {}
+        for name, ckpt in (("resumed", "last"), ("whole", None)):
+            try:
+                runs[name] = (*_history_run(tmp_path / name, 4, loggers(tmp_path / name), ckpt), tmp_path / name)
+            finally:
+                wandb.finish()
+    pictures, charts = {}, {}
+    for name, (_, _, root) in runs.items():
+        accumulator = read_tensorboard(glob.glob(str(root / "tb" / "version_*"))[0])
+        pictures[name] = {  # PNG bytes: equal bytes, equal pixels
+            layer: accumulator.Images(f"{PREFIX}_heads/{layer}/over_training")[-1].encoded_image_string
+            for layer in lm.GPT_LAYERS
+        }
+        (wandb_file,) = glob.glob(str(root / "wandb" / "*run-*" / "run-*.wandb"))
+        rows = read_wandb_history(wandb_file)
+        charts[name] = {}
+        for layer in lm.GPT_LAYERS:
+            (row,) = [r for r in rows if f"{PREFIX}_heads/{layer}/chart_table" in r]
+            path = Path(wandb_file).parent / "files" / row[f"{PREFIX}_heads/{layer}/chart_table"]["path"]
+            charts[name][layer] = json.loads(path.read_text())["data"]
+    whole_recorder = runs["whole"][1]
+    assert len(whole_recorder.validations) == 4
+    for layer in lm.GPT_LAYERS:
+        assert pictures["resumed"][layer] == pictures["whole"][layer], layer
+        assert len(charts["whole"][layer]) == 4 * lm.HEADS  # (step, head, median) rows: 4 validations
+        resumed, whole = charts["resumed"][layer], charts["whole"][layer]
+        assert [row[:2] for row in resumed] == [row[:2] for row in whole]
+        assert [row[2] for row in resumed] == pytest.approx([row[2] for row in whole], abs=1e-6)
+        steps, medians = runs["resumed"][0].dashboards.medians_over_time(layer, prefix=PREFIX)
+        assert steps == [logged_step(v) for v in whole_recorder.validations]
+        for column, validation in enumerate(whole_recorder.validations):
+            samples = gpt_reference(validation["state"], validation["batches"][:2])[layer]
+            for head in range(lm.HEADS):
+                assert _quantile_close(medians[head, column], samples.normalized[samples.head == head], 0.5)
+    assert not np.allclose(medians[:, 0], medians[:, -1]), "the model must learn for this test to mean anything"
+    # The monitor's checkpoint state loads without unpickling code (torch.load's default since torch 2.6).
+    buffer = io.BytesIO()
+    torch.save(runs["whole"][0].state_dict(), buffer)
+    buffer.seek(0)
+    assert len(torch.load(buffer, weights_only=True)["history"]) == 4
+
+
+# --------------------------------------------------------------------------- real runs: reuse after a failure
+
+
+@pytest.mark.parametrize("failure", [RuntimeError, KeyboardInterrupt], ids=["exception", "ctrl_c"])
+def test_monitor_reused_after_a_failed_fit_starts_from_zero(tmp_path: Path, failure: type[BaseException]) -> None:
+    """The notebook retry: a fit fails inside sampled validation batch 1, the same monitor goes into a new Trainer.
+
+    Its next summary holds the new run's queries only, as a fresh monitor's does.
+    """
+    import signal
+
+    monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None, heatmap=False, train_every_n_steps=1)
+    val = lm.make_batches(2, seed=11)
+    failing = lm.TinyGPT(lr=0.0)
+    failing.fail_on_val_batch, failing.fail_with = 1, failure
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises((RuntimeError, SystemExit)):  # Lightning turns Ctrl-C into exit(1)
+            make_trainer(tmp_path, callbacks=[monitor], max_epochs=1, limit_train_batches=1).fit(
+                failing, lm.loader(lm.make_batches(1, seed=10)), lm.loader(val)
+            )
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT after a Ctrl-C
+    logger = lm.MemoryLogger()
+    model = lm.TinyGPT(lr=0.0)
+    trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor], max_epochs=1, limit_train_batches=1)
+    trainer.fit(model, lm.loader(lm.make_batches(1, seed=10)), lm.loader(val))
+    summary = monitor.last_summary
+    assert summary is not None
+    assert int(summary.count.sum()) == count_queries(gpt_reference(model.state_dict(), val))
+    assert _layer_means(logger) == [pytest.approx(_reference_means(model, val), abs=MEAN_TOL)]
+    assert len(logger.steps_of(f"{TRAIN_PREFIX}/mean")) == 1  # step 0 of the new run is recorded again
+
+
+# --------------------------------------------------------------------------- real runs: names whatever wraps the model
+
+
+def test_compiled_model_logs_its_own_layer_names(tmp_path: Path) -> None:
+    """``torch.compile`` (``aot_eager``) before fit: no ``_orig_mod.`` in names, pictures, saved summaries, patterns."""
+    from attn_monitor.comparison import load_summary
+
+    names = ["model.blocks.0.attn", "model.blocks.1.attn"]
+    model = lm.CompiledGPT()
+    assert "model._orig_mod.blocks.0.attn" in dict(model.named_modules())
+    monitor = AttentionEntropyMonitor(layers=["model.blocks.*.attn"], save_summaries=True)
+    tensorboard = TensorBoardLogger(tmp_path, name="tb")
+    val = lm.make_batches(2, seed=11)
+    trainer = make_trainer(tmp_path, loggers=[tensorboard], callbacks=[monitor], max_epochs=1, limit_train_batches=1)
+    trainer.fit(model, lm.loader(lm.make_batches(1, seed=10)), lm.loader(val))
+    accumulator = read_tensorboard(tensorboard.log_dir)
+    assert {t for t in accumulator.Tags()["scalars"] if in_family(t)} == expected_names(names)
+    assert set(accumulator.Tags()["images"]) == {
+        f"{PREFIX}/heatmap",
+        *(f"{PREFIX}_heads/{layer}/over_training" for layer in names),
+    }
+    (saved,) = glob.glob(os.path.join(tensorboard.log_dir, "attn_entropy", "epoch0.pt"))
+    assert load_summary(saved).layers == names
+    samples = gpt_reference(model.inner[0].state_dict(), val)
+    check_against_reference(tb_scalars_at(accumulator, 0), {f"model.{k}": v for k, v in samples.items()})
+
+
+def test_peft_lora_model_logs_the_base_models_layer_names(tmp_path: Path) -> None:
+    """PEFT LoRA on GPT-2: the names of the plain :class:`HFLM`, values of the merged weights' eager reference."""
+    pytest.importorskip("peft")
+    model = lm.LoraLM()
+    assert "model.base_model.model.transformer.h.0.attn" in dict(model.named_modules())
+    monitor = AttentionEntropyMonitor(layers=["model.transformer.h.*.attn"], histogram_bins=None, heatmap=False)
+    logger = lm.MemoryLogger()
+    val = lm.make_batches(2, seed=4)
+    trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor], max_epochs=1, limit_train_batches=1)
+    trainer.fit(model, lm.loader(lm.make_batches(1, seed=3)), lm.loader(val))
+    ((_, scalars),) = [(s, m) for s, m in logger.merged_records() if f"{PREFIX}/mean" in m]
+    assert {name for name in scalars if in_family(name)} == expected_names(lm.HF_LAYERS)
+    merged = hf_reference(model.merged_state(), val)
+    check_against_reference(scalars, merged)
+    unadapted = copy.deepcopy(model.model).unload()  # the adapters removed, not merged
+    base = hf_reference({f"model.{k}": v for k, v in unadapted.state_dict().items()}, val)
+    assert any(  # the adapters change attention: the values are the adapted model's
+        abs(float(merged[layer].normalized.mean()) - float(base[layer].normalized.mean())) > 1e-3
+        for layer in lm.HF_LAYERS
+    )
+
+
+def test_fabric_module_is_named_as_the_model(tmp_path: Path) -> None:
+    """``Fabric.setup`` wraps the model in ``_FabricModule``: ``evaluate_attention`` names the layers without it."""
+    from lightning.fabric import Fabric
+
+    from attn_monitor import evaluate_attention
+
+    model = lm.TinyGPT(lr=0.0)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    wrapped = fabric.setup_module(model)
+    assert "_forward_module.blocks.0.attn" in dict(wrapped.named_modules())
+    val = lm.make_batches(2, seed=11)
+    summary = evaluate_attention(wrapped, val, layers=["blocks.*.attn"])
+    assert summary.layers == lm.GPT_LAYERS
+    samples = gpt_reference(model.state_dict(), val)
+    check_against_reference(AttentionEntropyMonitor().options.scalars(summary), samples)
+
+
+def _ddp_names_worker(rank: int, port: int, out_dir: str) -> None:
+    """One rank: wrap TinyGPT in torch DDP (gloo), evaluate its own two batches; the summary is over both ranks'."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from attn_monitor import evaluate_attention
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        wrapped = DistributedDataParallel(lm.TinyGPT(lr=0.0, seed=5))
+        batches = lm.make_batches(4, seed=21)[rank::2]
+        summary = evaluate_attention(wrapped, batches, layers=["blocks.*.attn"])
+        torch.save({"layers": summary.layers, "scalars": summary.to_dict(PREFIX)}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ddp_wrapped_model_is_named_as_the_model(tmp_path: Path) -> None:
+    """torch DDP in 2 CPU gloo processes: no ``module.`` segment; each rank's summary is the union's reference."""
+    if not torch.distributed.is_available() or "fork" not in torch.multiprocessing.get_all_start_methods():
+        pytest.skip("needs torch.distributed and the fork start method")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torch.multiprocessing.start_processes(
+        _ddp_names_worker, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="fork"
+    )
+    union = gpt_reference(lm.TinyGPT(lr=0.0, seed=5).state_dict(), lm.make_batches(4, seed=21))
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        assert saved["layers"] == lm.GPT_LAYERS
+        scalars = {name: value for name, value in saved["scalars"].items() if "head_" not in name}
+        for layer in lm.GPT_LAYERS:
+            assert scalars[f"{PREFIX}/{layer}/mean"] == pytest.approx(
+                float(union[layer].normalized.mean()), abs=MEAN_TOL
+            )
+
+
+# --------------------------------------------------------------------------- real runs: what callbacks can watch
+
+
+def test_early_stopping_and_checkpoint_watch_per_layer_statistics(tmp_path: Path) -> None:
+    """EarlyStopping on a layer's median, ModelCheckpoint on its sequence mean: both read ``callback_metrics``.
+
+    lr 0: nothing improves, so EarlyStopping(patience=1) stops after the second epoch; the values it and
+    ModelCheckpoint saw are the float64 reference's. No per-head value is there.
+    """
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    layer = lm.GPT_LAYERS[1]
+    monitor = AttentionEntropyMonitor(histogram_bins=None, heatmap=False)
+    stopper = EarlyStopping(monitor=f"{PREFIX}/{layer}/q50", mode="min", patience=1, min_delta=1e-3)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor=f"{PREFIX}/{layer}/mean_seq", save_top_k=1)
+    logger, trainer, model, val = _fit_memory(
+        tmp_path, monitor, max_epochs=10, extra_callbacks=[stopper, checkpoint], enable_checkpointing=True
+    )
+    assert trainer.current_epoch == 2 and stopper.stopped_epoch == 1
+    samples = gpt_reference(model.state_dict(), val[:2])
+    metrics = {name: float(value) for name, value in trainer.callback_metrics.items() if in_family(name)}
+    assert set(metrics) == {name for name in expected_names(lm.GPT_LAYERS) if not name.startswith(f"{PREFIX}_heads")}
+    (*_, (_, logged)) = [(step, m) for step, m in logger.merged_records() if f"{PREFIX}/mean" in m]
+    check_against_reference({**logged, **metrics}, samples)  # the per-layer values as callback_metrics hold them
+    assert float(stopper.best_score) == pytest.approx(metrics[f"{PREFIX}/{layer}/q50"])
+    assert float(checkpoint.best_model_score) == pytest.approx(metrics[f"{PREFIX}/{layer}/mean_seq"])

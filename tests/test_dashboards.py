@@ -380,9 +380,10 @@ def test_early_stopping_and_checkpoint_monitor_entropy(tmp_path: Path) -> None:
     assert os.path.isfile(checkpoint.best_model_path)
     # The monitor's values are logged together with the module's own validation loss, in one record.
     assert all("val_loss" in m for _, m in logger.records if f"{PREFIX}/mean" in m)
-    # callback_metrics hold the means (what a callback would watch); the other scalars reach the logger at that step.
+    # callback_metrics hold every per-layer statistic (what a callback would watch), no per-head value.
     watched = {name for name in trainer.callback_metrics if name.startswith(PREFIX)}
-    assert watched == {f"{PREFIX}/mean"} | {f"{PREFIX}/{layer}/mean" for layer in lm.GPT_LAYERS}
+    per_layer = ("mean", "mean_seq", "nats_mean", "q05", "q25", "q50", "q75", "q95")
+    assert watched == {f"{PREFIX}/mean"} | {f"{PREFIX}/{layer}/{stat}" for layer in lm.GPT_LAYERS for stat in per_layer}
     for step, metrics in logger.merged_records():
         if f"{PREFIX}/mean" in metrics:
             assert {f"{PREFIX}/{layer}/q50" for layer in lm.GPT_LAYERS} <= set(metrics), step

@@ -12,6 +12,7 @@ import random
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -50,7 +51,9 @@ def test_schedule_batches_epochs_and_steps() -> None:
     assert BatchSchedule(batches=[5, 1, 5]).sampled_indices(10) == (1, 5)
     assert BatchSchedule(batches=3).sampled_indices(10) == (0, 1, 2)
     schedule = BatchSchedule(every_n_epochs=3, skip_sanity_check=False, train_every_n_steps=2)
-    assert [schedule.validation_run(False, epoch) for epoch in range(4)] == [True, False, False, True]
+    # As Lightning's check_val_every_n_epoch and ModelCheckpoint(every_n_epochs) count: (epoch + 1) % n == 0.
+    assert [schedule.validation_run(False, epoch) for epoch in range(6)] == [False, False, True, False, False, True]
+    assert schedule.validation_run(False, 0, fitting=False)  # Trainer.validate: always
     assert schedule.validation_run(True, 1)
     assert not BatchSchedule().validation_run(True, 0)
     # Gradient accumulation: global_step repeats; one recording per optimizer step.
@@ -65,8 +68,45 @@ def test_schedule_batches_epochs_and_steps() -> None:
         True,
     ]
     assert not any(BatchSchedule().training_step(step) for step in range(5))
+    schedule.reset()  # a new run: its step 0 is recorded, although the last run's was too
+    assert schedule.training_step(0)
     with pytest.raises(ValueError, match="known length"):
         BatchSchedule(random_sample=True).sampled_indices(float("inf"))
+
+
+# --------------------------------------------------------------------------- layer names
+
+
+def test_named_layers_drop_exactly_the_wrapper_segments() -> None:
+    """Nested wrappers (DataParallel around torch's checkpoint_wrapper) lose their segments; a user's own
+    ``module`` attribute keeps its name, and a name that would repeat keeps its full path."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from attn_monitor.names import named_layers
+
+    class Own(nn.Module):  # not a wrapper: its child named `module` is part of the user's names
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+    inner = nn.ModuleDict({"attn": checkpoint_wrapper(nn.Linear(2, 2)), "own": Own()})
+    wrapped = nn.DataParallel(inner)
+    assert "module.attn._checkpoint_wrapped_module" in dict(wrapped.named_modules())
+    names = {id(module): name for name, module in named_layers(wrapped)}
+    assert names[id(inner["attn"]._checkpoint_wrapped_module)] == "attn"
+    assert names[id(inner["own"].module)] == "own.module"
+    assert names[id(inner)] == ""
+
+    class PeftModel(nn.Module):  # a wrapper (by class name) with a child of its own besides what it holds
+        def __init__(self) -> None:
+            super().__init__()
+            self.base_model = nn.ModuleDict({"x": nn.Linear(2, 2), "y": nn.Linear(2, 2)})
+            self.x = nn.Linear(2, 2)
+
+    clash = PeftModel()
+    names = {id(module): name for name, module in named_layers(clash)}
+    assert names[id(clash.base_model["x"])] == "base_model.x" and names[id(clash.x)] == "x"  # both full
+    assert names[id(clash.base_model["y"])] == "y"
 
 
 # --------------------------------------------------------------------------- alerts
@@ -303,3 +343,28 @@ def test_collect_with_nothing_recorded_is_none_and_quiet() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert recorder.collect(0) == (None, None)
+
+
+# --------------------------------------------------------------------------- dashboards history
+
+
+def test_dashboards_history_round_trips_through_a_weights_only_checkpoint(tmp_path: Any) -> None:
+    """The heads-over-training history survives torch.save / torch.load(weights_only=True), NaN heads included."""
+    from attn_monitor.loggers import Dashboards, LogOptions
+
+    dashboards = Dashboards(LogOptions())
+    for step, heads in ((3, [0.2, 0.9]), (7, [0.1, 0.8])):
+        dashboards.remember(_summary(heads, layer="h.0"), step, prefix="attn_entropy")
+        dashboards.remember(_summary(heads[:1], layer="h.1"), step, prefix="attn_entropy", suffix="/dataloader_idx_1")
+    torch.save(dashboards.state_dict(), tmp_path / "state.pt")
+    restored = Dashboards(LogOptions())
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    for layer, suffix in (("h.0", ""), ("h.1", "/dataloader_idx_1")):
+        steps, medians = restored.medians_over_time(layer, prefix="attn_entropy", suffix=suffix)
+        want_steps, want = dashboards.medians_over_time(layer, prefix="attn_entropy", suffix=suffix)
+        assert steps == want_steps == [3, 7]
+        assert np.array_equal(medians, want, equal_nan=True)
+    assert abs(float(restored.medians_over_time("h.0", prefix="attn_entropy")[1][0, 1]) - 0.1) <= 0.01
+    restored.reset()
+    steps, medians = restored.medians_over_time("h.0", prefix="attn_entropy")
+    assert steps == [] and medians.size == 0
