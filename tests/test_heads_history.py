@@ -88,11 +88,14 @@ def test_validations_between_accumulated_batches_keep_one_column_per_step(tmp_pa
             assert_within(shown[:, column], want, BIN + COLOUR_STEP)
 
 
-def test_validate_twice_at_one_step_keeps_the_later_validation(tmp_path: Path) -> None:
-    """``Trainer.validate`` after ``fit``, twice at one ``global_step`` on two loaders: the second one stays.
+def test_validate_twice_at_one_step_keeps_only_the_later_run(tmp_path: Path) -> None:
+    """``Trainer.validate`` after ``fit``, twice at one ``global_step`` on two loaders: only the second one stays.
 
-    Fails when a repeated step is appended (two entries at the last step) or
-    when the earlier validation is kept instead of the later.
+    Every run (a fit, each ``validate``) starts from zero, so the history of
+    the last call holds its own validation at its step and nothing of the fit
+    or of the first call. Fails when a repeated step is appended across runs
+    (two entries at step 2), when a run keeps the columns of the one before
+    (step 1 of the fit), or when the earlier validation is kept.
     """
     monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None, heatmap=False)
     trainer = make_trainer(tmp_path, loggers=[lm.MemoryLogger()], callbacks=[monitor], max_epochs=1)
@@ -110,7 +113,7 @@ def test_validate_twice_at_one_step_keeps_the_later_validation(tmp_path: Path) -
     state = {name: value.detach().clone() for name, value in model.state_dict().items()}
     for layer in lm.GPT_LAYERS:
         steps, medians = monitor.dashboards.medians_over_time(layer, prefix=PREFIX)
-        assert steps == [1, 2]  # fit's validation at Lightning's step 1; both validate calls at global step 2
+        assert steps == [2]  # both validate calls at global step 2; the fit's step 1 belongs to the fit
         earlier, later = (reference_medians(state, batches)[layer] for batches in (first, second))
         assert_within(medians[:, -1], later, BIN)
         # Some head's median differs by many bins: keeping the earlier validation fails the line above.
