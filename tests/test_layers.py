@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "attn_monitor"
 
 #: Layer of every module, lowest first (docs/design.md §5).
 LAYERS = {
-    "shared": 0,
+    **dict.fromkeys(("shared", "names"), 0),
     **dict.fromkeys(("masks", "functional", "flex"), 1),
     "metric": 2,
     **dict.fromkeys(("calls", "eager", "hf_interface", "capture", "consumers", "diagnostics", "head_stats"), 3),
