@@ -55,20 +55,25 @@ class HeadSlice:
     num_heads: int
 
 
-_DECLARED: weakref.WeakKeyDictionary[nn.Module, HeadSlice] = weakref.WeakKeyDictionary()
+#: module -> its declared heads; None: another rank counts its calls.
+_DECLARED: weakref.WeakKeyDictionary[nn.Module, HeadSlice | None] = weakref.WeakKeyDictionary()
 
 
-def declare_heads(module: nn.Module, *, head_offset: int, num_heads: int) -> None:
+def declare_heads(module: nn.Module, *, head_offset: int, num_heads: int, counted: bool = True) -> None:
     """Declare that this rank's calls of ``module`` hold heads from ``head_offset`` of its ``num_heads``.
 
     For tensor parallelism PyTorch cannot show (projection weights that are
     plain tensors, hand-written process groups); DTensor plans are read
-    without it. The declaration holds as long as the module lives.
+    without it. ``counted=False`` on all but one rank of a group that runs
+    the same batch through the same heads (a layer a tensor-parallel plan
+    leaves whole): the others' calls are not counted again. The declaration
+    holds as long as the module lives.
 
     Args:
         module: the attention module (the one whose name the layer has).
         head_offset: the layer's head of this rank's first local head.
         num_heads: the layer's heads on all ranks together.
+        counted: whether this rank's calls count (see above).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
@@ -80,7 +85,8 @@ def declare_heads(module: nn.Module, *, head_offset: int, num_heads: int) -> Non
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"Expected `module` to be a torch.nn.Module, got {type(module).__name__}.")
-    _DECLARED[module] = HeadSlice(check_int("head_offset", head_offset, 0), check_int("num_heads", num_heads, 1))
+    heads = HeadSlice(check_int("head_offset", head_offset, 0), check_int("num_heads", num_heads, 1))
+    _DECLARED[module] = heads if counted else None
 
 
 def place_heads(call: AttentionCall, model: nn.Module) -> AttentionCall | None:
@@ -93,7 +99,8 @@ def place_heads(call: AttentionCall, model: nn.Module) -> AttentionCall | None:
     Returns:
         The call with ``head_offset`` and ``num_heads`` set; None where
         another rank counts it (DTensor q and k replicated over a mesh
-        dimension: the ranks along it hold the same queries).
+        dimension: the ranks along it hold the same queries; a declaration
+        with ``counted=False``).
 
     Raises:
         ValueError: heads that cannot be placed (see the module docstring), naming the layer.
@@ -112,12 +119,17 @@ def place_heads(call: AttentionCall, model: nn.Module) -> AttentionCall | None:
     if _is_dtensor(call.q) or _is_dtensor(call.k):
         return _place_dtensor_call(call)
     module = _module_of(call.layer, model)
-    heads = _DECLARED.get(module) if module is not None else None
-    if heads is None and module is not None:
-        heads = _heads_from_weights(call, module, local)
-    if heads is None:
-        _check_unsharded(call, module, local)
+    if module is None:
         return call
+    if module in _DECLARED:
+        heads = _DECLARED[module]
+        if heads is None:
+            return None
+    else:
+        heads = _heads_from_weights(call, module, local)
+        if heads is None:
+            _check_unsharded(call, module, local)
+            return call
     if heads.head_offset + local > heads.num_heads:
         raise ValueError(
             f"Layer {call.layer!r}: {local} local heads from head {heads.head_offset} do not fit in its "
@@ -256,9 +268,9 @@ def _head_dim(call: AttentionCall, module: nn.Module) -> int:
     return head_dim
 
 
-def _check_unsharded(call: AttentionCall, module: nn.Module | None, local: int) -> None:
+def _check_unsharded(call: AttentionCall, module: nn.Module, local: int) -> None:
     """In a multi-process run, refuse a call that holds fewer heads than its module's configuration names."""
-    if module is None or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
     config = getattr(module, "config", None)
     configured = getattr(config, "num_attention_heads", None)

@@ -9,8 +9,9 @@ histograms against one unsharded process):
   both ranks, which see the same batches: each rank's SDPA call holds 2 of
   the 4 heads, placed from the DTensor weights.
 * ``declared``: hand-written tensor parallelism with plain tensors, its heads
-  given by :func:`~attn_monitor.declare_heads`; without the declaration the
-  capture refuses, naming the layer.
+  given by :func:`~attn_monitor.declare_heads` (and a layer left whole on
+  both ranks declared counted on one); without the declaration the capture
+  refuses, naming the layer.
 * ``fsdp``: FSDP2 (``fully_shard``), each rank its own batch.
 * ``pipeline``: rank 0 holds layer 0, rank 1 layer 1; merged by name.
 * ``context``: q and k as DTensors sharded along the sequence are refused
@@ -47,6 +48,8 @@ WORLD_SIZE = 2
 DEADLINE_S = 120.0
 START_METHOD = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
 SCENARIOS = ("tp", "declared", "fsdp", "pipeline")
+MESH_SIZE = 4  # 2 x 2 data x tensor parallel
+MESH_SCENARIOS = ("dp_tp", "fsdp_tp")
 TOLERANCE = 1e-5  # float32 activations: row-parallel sums reorder additions
 
 
@@ -79,17 +82,18 @@ def _tensor_parallel(rank: int) -> nn.Module:
 
 
 def _hand_sharded(rank: int, declare: bool) -> nn.Module:
-    """Each rank keeps its half of q/k/v's rows and o's columns as plain tensors; o's partial sums all-reduced."""
+    """Layer 0 split by hand: each rank keeps its half of q/k/v's rows and o's columns as plain tensors,
+    o's partial sums all-reduced. Layer 1 stays whole on both ranks, counted on rank 0 only."""
     model = models.TinyLlama()
     rows = slice(rank * models.HIDDEN // WORLD_SIZE, (rank + 1) * models.HIDDEN // WORLD_SIZE)
-    for name in models.layer_names():
-        attention = model.get_submodule(name)
-        for projection in attention.projections():
-            projection.weight = nn.Parameter(projection.weight[rows].clone())
-        attention.o_proj.weight = nn.Parameter(attention.o_proj.weight[:, rows].clone())
-        attention.o_proj.register_forward_hook(lambda _, __, out: dist.all_reduce(out) or out)
-        if declare:
-            declare_heads(attention, head_offset=rank * models.HEADS // WORLD_SIZE, num_heads=models.HEADS)
+    split, whole = (model.get_submodule(name) for name in models.layer_names())
+    for projection in split.projections():
+        projection.weight = nn.Parameter(projection.weight[rows].clone())
+    split.o_proj.weight = nn.Parameter(split.o_proj.weight[:, rows].clone())
+    split.o_proj.register_forward_hook(lambda _, __, out: dist.all_reduce(out) or out)
+    if declare:
+        declare_heads(split, head_offset=rank * models.HEADS // WORLD_SIZE, num_heads=models.HEADS)
+        declare_heads(whole, head_offset=0, num_heads=models.HEADS, counted=rank == 0)
     return model
 
 
@@ -167,17 +171,37 @@ def _run(rank: int) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _mesh_run(rank: int) -> dict[str, Any]:
+    """A 2 x 2 (data, tensor) mesh: each data-parallel group its own batch, plain and with FSDP2 over "dp"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    data = [models.batches()[mesh.get_local_rank("dp")]]
+    out = {"dp_tp": _record(parallelize_module(models.TinyLlama(), mesh["tp"], models.tp_plan()), data)}
+    model = parallelize_module(models.TinyLlama(), mesh["tp"], models.tp_plan())
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["dp"])
+    out["fsdp_tp"] = _record(fully_shard(model, mesh=mesh["dp"]), data)
+    return out
+
+
+def _worker(rank: int, port: int, out_dir: str, run: Any = _run, world_size: int = WORLD_SIZE) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60)
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
     )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result = _run(rank)
+            result = run(rank)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _mesh_worker(rank: int, port: int, out_dir: str) -> None:
+    _worker(rank, port, out_dir, _mesh_run, MESH_SIZE)
 
 
 def _free_port() -> int:
@@ -223,10 +247,10 @@ def _lightning_worker(rank: int, port: int, out_dir: str) -> None:
     )
 
 
-def _launch(worker: Any, out_dir: Path) -> None:
-    """Run ``worker(rank, port, out_dir)`` in ``WORLD_SIZE`` forked processes; fail past the deadline."""
+def _launch(worker: Any, out_dir: Path, processes: int = WORLD_SIZE) -> None:
+    """Run ``worker(rank, port, out_dir)`` in forked processes; fail past the deadline."""
     context = mp.start_processes(
-        worker, args=(_free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=False, start_method=START_METHOD
+        worker, args=(_free_port(), str(out_dir)), nprocs=processes, join=False, start_method=START_METHOD
     )
     deadline = time.monotonic() + DEADLINE_S
     try:
@@ -249,6 +273,16 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     _record(models.TinyLlama(), models.batches()[:1])  # warm lazy imports before forking
     _launch(_worker, out_dir)
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+
+
+@pytest.fixture(scope="module")
+def mesh_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """What each rank of a real 4-process gloo group on a 2 x 2 (dp, tp) mesh saved."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    out_dir = tmp_path_factory.mktemp("mesh")
+    _launch(_mesh_worker, out_dir, MESH_SIZE)
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(MESH_SIZE)]
 
 
 @pytest.fixture(scope="module")
@@ -275,8 +309,21 @@ def one_process() -> dict[str, Any]:
 def test_every_head_equals_the_reference(
     ranks: list[dict[str, Any]], expected: dict[str, dict[str, torch.Tensor]], scenario: str
 ) -> None:
-    for rank in ranks:
-        got = rank[scenario]
+    _check_every_head([rank[scenario] for rank in ranks], expected, scenario)
+
+
+@pytest.mark.parametrize("scenario", MESH_SCENARIOS)
+def test_a_data_by_tensor_parallel_mesh_equals_the_reference(
+    mesh_ranks: list[dict[str, Any]], expected: dict[str, dict[str, torch.Tensor]], scenario: str
+) -> None:
+    """4 processes: ranks of one tensor-parallel group share a batch, the two groups see different ones."""
+    _check_every_head([rank[scenario] for rank in mesh_ranks], expected, scenario)
+
+
+def _check_every_head(
+    results: list[dict[str, Any]], expected: dict[str, dict[str, torch.Tensor]], scenario: str
+) -> None:
+    for got in results:
         assert sorted(got["layers"]) == models.layer_names()
         assert got["num_heads"] == [models.HEADS] * models.LAYERS
         for name in models.layer_names():
