@@ -141,6 +141,11 @@ def _context_parallel(rank: int) -> dict[str, Any]:
             module(*sharded)
         except ValueError as error:
             out["refused"] = str(error)
+    with AttentionCapture(module, errors="warn") as attention, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with attention.recording():
+            module(*sharded)  # inside a training run: skipped with one warning, and the model runs on
+    out["skipped"], out["warned"] = attention.skipped, [str(warning.message) for warning in caught]
     entropy = AttentionEntropy(num_bins=50, nats_bins=20, max_keys=16)
     with AttentionCapture(module, entropy) as attention, attention.recording():
         module(*(distribute_tensor(t, mesh, [Replicate()]) for t in (q, k)))
@@ -361,6 +366,8 @@ def test_context_parallel_calls_are_refused_by_name(ranks: list[dict[str, Any]])
     for rank in ranks:
         context = rank["context"]
         assert "'ContextAttention'" in context["refused"] and "sequence" in context["refused"]
+        assert context["skipped"] == {"ContextAttention": 1}
+        assert sum("'ContextAttention'" in message and "sequence" in message for message in context["warned"]) == 1
         # Replicated q and k: every rank holds the same queries; one counts them.
         assert torch.equal(context["replicated_count"] * 2, context["local_count"])
         assert context["replicated_count"].sum() > 0
