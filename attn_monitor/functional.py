@@ -569,7 +569,7 @@ class KeyShardStatistics(NamedTuple):
 
     Attention over the union of disjoint key shards is the softmax of all
     their logits, so per query the shards' logsumexp, mean logit under their
-    own weights, maximum and visible count determine it (DESIGN.md §2):
+    own weights, maximum and visible count determine it:
     ``lse = logsumexp_r lse_r`` and ``H = lse - sum_r exp(lse_r - lse) E_r[s]``
     (the algebra ring attention uses for its output). Built by
     :func:`key_shard_statistics`, combined by :func:`merge_key_shards`.
