@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from attn_monitor.diagnostics import MassDiagnostics
     from attn_monitor.eager import probabilities_at
     from attn_monitor.functional import (
+        KeyShardStatistics,
         attention_distance,
         attention_entropy,
         attention_lse,
@@ -45,6 +46,7 @@ __all__ = [
     "AttentionStatistics",
     "Comparison",
     "EntropySummary",
+    "KeyShardStatistics",
     "MassDiagnostics",
     "MassSummary",
     "StatisticsSummary",
@@ -80,6 +82,7 @@ _HOMES = {
     "MassDiagnostics": "diagnostics",
     **dict.fromkeys(
         (
+            "KeyShardStatistics",
             "attention_distance",
             "attention_entropy",
             "attention_lse",

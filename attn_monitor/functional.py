@@ -34,8 +34,9 @@ from torch import Tensor
 
 from attn_monitor.masks import Support, broadcasts_to, log_count
 
+# KeyShardStatistics is public too, as what key_shard_statistics returns (a type, not a function of the
+# bad-input table that covers __all__).
 __all__ = [
-    "KeyShardStatistics",
     "attention_distance",
     "attention_entropy",
     "attention_lse",
@@ -662,6 +663,13 @@ def merge_key_shards(shards: Sequence[KeyShardStatistics]) -> KeyShardStatistics
     """
     if not shards or not all(isinstance(shard, KeyShardStatistics) for shard in shards):
         raise TypeError("Expected `shards` to be a non-empty sequence of KeyShardStatistics.")
+    if not all(isinstance(value, Tensor) for shard in shards for value in shard):
+        raise TypeError("Expected every field of every shard to be a torch.Tensor.")
+    shapes = [tuple(value.shape) for shard in shards for value in shard]
+    try:
+        torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        raise ValueError(f"Expected the shards' statistics to broadcast together, got shapes {shapes}.") from None
     dtype = _compute_dtype(functools.reduce(torch.promote_types, (shard.lse.dtype for shard in shards)))
     lse, mean_logit, max_logit = (
         torch.stack(torch.broadcast_tensors(*(shard[field].double() for shard in shards))) for field in range(3)

@@ -35,14 +35,19 @@ naming the layer: never a number that mixes heads.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from attn_monitor.calls import AttentionCall
 from attn_monitor.shared import check_int
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["HeadSlice", "declare_heads", "place_heads"]
 
@@ -155,12 +160,16 @@ def _local_heads(call: AttentionCall) -> int:
     return held.shape[1]
 
 
-def _is_dtensor(value: object) -> bool:
-    if not dist.is_available() or value is None:
-        return False
-    from torch.distributed.tensor import DTensor
+def _dtensor_type() -> type[DTensor] | None:
+    """DTensor, where something has imported it; None otherwise (then no tensor is one, and importing it
+    here would cost seconds on the first recorded call)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
 
-    return isinstance(value, DTensor)
+
+def _is_dtensor(value: object) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(value, dtensor)
 
 
 def _place_dtensor_call(call: AttentionCall) -> AttentionCall | None:
@@ -173,7 +182,7 @@ def _place_dtensor_call(call: AttentionCall) -> AttentionCall | None:
     q, k = call.q, call.k
     if not isinstance(q, DTensor) or not isinstance(k, DTensor):
         raise ValueError(f"Layer {call.layer!r}: its queries and keys must both be DTensors or neither.")
-    offset, num_heads = 0, q.shape[1]
+    offset, num_heads, head_dims = 0, q.shape[1], 0
     for value in (q, k):
         for dim, placement in enumerate(value.placements):
             if value.device_mesh.size(dim) == 1:
@@ -195,7 +204,13 @@ def _place_dtensor_call(call: AttentionCall) -> AttentionCall | None:
                     f"over mesh dimension {dim}; attn_monitor reads batch or head shards only."
                 )
             if value is q and placement.dim == 1:
-                offset += _shard_offset(q.shape[1], value.device_mesh.size(dim), value.device_mesh.get_local_rank(dim))
+                head_dims += 1
+                offset = _shard_offset(q.shape[1], value.device_mesh.size(dim), value.device_mesh.get_local_rank(dim))
+    if head_dims > 1:
+        raise ValueError(
+            f"Layer {call.layer!r}: its queries' heads are sharded over {head_dims} mesh dimensions; attn_monitor "
+            "places heads sharded over one."
+        )
     local_q, local_k = q.to_local(), k.to_local()
     return replace(call, q=local_q, k=local_k, head_offset=offset, num_heads=num_heads)
 
@@ -207,9 +222,12 @@ def _shard_offset(size: int, parts: int, index: int) -> int:
 
 def _heads_from_weights(call: AttentionCall, module: nn.Module, local: int) -> HeadSlice | None:
     """Heads from the query projection's row sharding (``ColwiseParallel``); None when nothing is sharded."""
-    from torch.distributed.tensor import DTensor, Shard
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return None
+    from torch.distributed.tensor import Shard
 
-    weights = [(name, p) for name, p in module.named_parameters() if isinstance(p, DTensor)]
+    weights = [(name, p) for name, p in module.named_parameters() if isinstance(p, dtensor)]
     sharded = [(name, p) for name, p in weights if not _whole(p)]
     if not sharded:
         return None
