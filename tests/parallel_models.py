@@ -141,8 +141,9 @@ def reference_statistics(model: TinyLlama, data: list[tuple[Tensor, Tensor]]) ->
     return out
 
 
-class TensorParallelLM(pl.LightningModule):
-    """:class:`TinyLlama` under Lightning's ModelParallelStrategy: the standard plan on the tensor-parallel mesh.
+class ParallelLM(pl.LightningModule):
+    """:class:`TinyLlama` under Lightning's ModelParallelStrategy: the standard plan on the tensor-parallel
+    mesh, FSDP2 over the data-parallel one, each where it has more than one rank.
 
     lr 0: the weights stay the initial ones, so a reference on a fresh model is the monitored model.
     """
@@ -152,9 +153,15 @@ class TensorParallelLM(pl.LightningModule):
         self.model = TinyLlama()
 
     def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(self.model, self.device_mesh["tensor_parallel"], tp_plan())  # type: ignore[arg-type]
+        if self.device_mesh["tensor_parallel"].size() > 1:
+            parallelize_module(self.model, self.device_mesh["tensor_parallel"], tp_plan())  # type: ignore[arg-type]
+        if self.device_mesh["data_parallel"].size() > 1:
+            for block in self.model.layers.values():
+                fully_shard(block, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
 
     def _loss(self, batch: dict[str, Tensor]) -> Tensor:
         logits = self.model(batch["input_ids"])

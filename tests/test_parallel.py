@@ -215,8 +215,12 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+#: run name -> (data_parallel_size, tensor_parallel_size) of ModelParallelStrategy
+LIGHTNING_RUNS = {"tp": (1, 2), "fsdp": (2, 1)}
+
+
 def _lightning_worker(rank: int, port: int, out_dir: str) -> None:
-    """One rank of ``Trainer.fit`` under ``ModelParallelStrategy(1, 2)``, launched as torchrun would."""
+    """One rank of a ``Trainer.fit`` per ModelParallelStrategy layout, launched as torchrun would."""
     import os
 
     from lightning.pytorch import Trainer
@@ -230,26 +234,28 @@ def _lightning_worker(rank: int, port: int, out_dir: str) -> None:
     )
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
     loader = torch.utils.data.DataLoader(models.items(), batch_size=None)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=WORLD_SIZE,
-        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=WORLD_SIZE),
-        max_epochs=1,
-        limit_train_batches=1,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=CSVLogger(out_dir, name="tp", version=0),
-        callbacks=[monitor := AttentionEntropyMonitor(batches=2, heatmap=False, max_logit=True)],
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(models.TensorParallelLM(), loader, loader)
-    (summary,) = monitor.last_summaries.values()
-    torch.save(
-        {"layers": summary.layers, "num_heads": summary.num_heads, "count": summary.count}, f"{out_dir}/{rank}.pt"
-    )
+    for name, (data_parallel, tensor_parallel) in LIGHTNING_RUNS.items():
+        # Each data-parallel rank gets its share of the 2 validation items; the union is all of them.
+        monitor = AttentionEntropyMonitor(batches=2 // data_parallel, heatmap=False, max_logit=True)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=WORLD_SIZE,
+            strategy=ModelParallelStrategy(data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel),
+            max_epochs=1,
+            limit_train_batches=1,
+            num_sanity_val_steps=0,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=CSVLogger(out_dir, name=name, version=0),
+            callbacks=[monitor],
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(models.ParallelLM(), loader, loader)
+        (summary,) = monitor.last_summaries.values()
+        saved = {"layers": summary.layers, "num_heads": summary.num_heads, "count": summary.count}
+        torch.save(saved, f"{out_dir}/{name}{rank}.pt")
 
 
 def _launch(worker: Any, out_dir: Path, processes: int = WORLD_SIZE) -> None:
@@ -292,7 +298,7 @@ def mesh_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]
 
 @pytest.fixture(scope="module")
 def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The folder of a 2-process ``Trainer.fit`` under ``ModelParallelStrategy(1, 2)``: logs, each rank's summary."""
+    """The folder of 2-process ``Trainer.fit`` runs under ModelParallelStrategy: logs, each rank's summaries."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     out_dir = tmp_path_factory.mktemp("lightning")
@@ -411,15 +417,17 @@ def test_slices_that_do_not_fit_are_refused_by_name() -> None:
         declare_heads("attn", head_offset=0, num_heads=4)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("run", list(LIGHTNING_RUNS))
 def test_model_parallel_strategy_logs_every_head_of_the_reference(
-    lightning_run: Path, expected: dict[str, dict[str, torch.Tensor]]
+    lightning_run: Path, expected: dict[str, dict[str, torch.Tensor]], run: str
 ) -> None:
-    """A real ``Trainer.fit``: rank 0's CSV log of per-head means and max logits, every rank's summary counts."""
-    with open(lightning_run / "tp" / "version_0" / "metrics.csv", newline="") as handle:
+    """A real ``Trainer.fit`` (tp: ``ModelParallelStrategy(1, 2)``, fsdp: ``(2, 1)``): rank 0's CSV log of
+    per-head means and max logits, every rank's summary counts."""
+    with open(lightning_run / run / "version_0" / "metrics.csv", newline="") as handle:
         logged: dict[str, float] = {}
         for row in csv.DictReader(handle):
             logged.update({name: float(value) for name, value in row.items() if value not in ("", None)})
-    summaries = [torch.load(lightning_run / f"{rank}.pt") for rank in range(WORLD_SIZE)]
+    summaries = [torch.load(lightning_run / f"{run}{rank}.pt") for rank in range(WORLD_SIZE)]
     for name in models.layer_names():
         truth, layer = expected[name], f"model.{name}"
         for summary in summaries:
