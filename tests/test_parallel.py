@@ -157,6 +157,40 @@ def _context_parallel(rank: int) -> dict[str, Any]:
     return out
 
 
+HF_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def _hf_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(11)
+    tokens = torch.randint(1, 64, (2, 8), generator=generator)
+    return tokens, torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+
+
+def _hf_record(model: nn.Module) -> dict[str, Any]:
+    """A tiny Hugging Face Llama (grouped-query attention) recorded on one padded batch."""
+    tokens, mask = _hf_batch()
+    entropy = AttentionEntropy(num_bins=50, nats_bins=20, max_keys=16)
+    with AttentionCapture(model, entropy) as attention, torch.no_grad(), attention.recording(mask.bool()):
+        model(input_ids=tokens, attention_mask=mask)
+    summary = entropy.compute()
+    return {"layers": summary.layers, "num_heads": summary.num_heads, "mean": summary.mean, "count": summary.count}
+
+
+def _hf_tensor_parallel(implementation: str) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tests.models import LAYERS, hf_model
+
+    plan: dict[str, Any] = {}
+    for index in range(LAYERS):
+        base = f"model.layers.{index}.self_attn"
+        plan.update({f"{base}.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")})
+        plan[f"{base}.o_proj"] = RowwiseParallel()
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
+    return parallelize_module(hf_model("llama", implementation), mesh, plan)
+
+
 def _run(rank: int) -> dict[str, Any]:
     data, out = models.batches(), {}
     out["tp"] = _record(_tensor_parallel(rank), data)
@@ -173,6 +207,8 @@ def _run(rank: int) -> dict[str, Any]:
     out["fsdp"] = _record(fully_shard(model), [data[rank]])
     out["pipeline"] = _record(*_pipeline_stage(rank))
     out["context"] = _context_parallel(rank)
+    for implementation in HF_IMPLEMENTATIONS:
+        out[f"hf_{implementation}"] = _hf_record(_hf_tensor_parallel(implementation))
     return out
 
 
@@ -371,6 +407,22 @@ def test_sharded_parameters_and_stages_are_one_process_bit_for_bit(
     order = [got["layers"].index(name) for name in one_process["layers"]]
     for name in ("mean", "count", "histogram", "max_logit", "logit_count"):
         assert torch.equal(got[name][order], one_process[name]), (scenario, name)
+
+
+@pytest.mark.parametrize("implementation", HF_IMPLEMENTATIONS)
+def test_a_hugging_face_llama_under_tensor_parallelism_equals_one_process(
+    ranks: list[dict[str, Any]], implementation: str
+) -> None:
+    """transformers' Llama (grouped-query keys; eager: probabilities, placed by the module's head_dim)."""
+    from tests.models import HEADS, hf_model
+
+    alone = _hf_record(hf_model("llama", implementation))
+    assert float(alone["mean"].std()) > 0.01, "per-head means must differ, or a head mix-up would not show"
+    for rank in ranks:
+        got = rank[f"hf_{implementation}"]
+        assert got["layers"] == alone["layers"] and got["num_heads"] == [HEADS] * len(alone["layers"])
+        assert torch.equal(got["count"], alone["count"])
+        torch.testing.assert_close(got["mean"], alone["mean"], atol=TOLERANCE, rtol=0)
 
 
 def test_heads_without_placement_are_refused_by_name(ranks: list[dict[str, Any]]) -> None:
