@@ -221,7 +221,7 @@ def _shard_offset(size: int, parts: int, index: int) -> int:
 
 
 def _heads_from_weights(call: AttentionCall, module: nn.Module, local: int) -> HeadSlice | None:
-    """Heads from the query projection's row sharding (``ColwiseParallel``); None when nothing is sharded."""
+    """Heads from the query projection's row sharding (``ColwiseParallel``); None where this rank holds them all."""
     dtensor = _dtensor_type()
     if dtensor is None:
         return None
@@ -232,7 +232,8 @@ def _heads_from_weights(call: AttentionCall, module: nn.Module, local: int) -> H
     if not sharded:
         return None
     head_dim = _head_dim(call, module)
-    slices = set()
+    slices, widest = set(), max(weight.shape[0] for _, weight in sharded)
+    holds_all = False
     for name, weight in sharded:
         row_dims = [
             dim
@@ -241,14 +242,17 @@ def _heads_from_weights(call: AttentionCall, module: nn.Module, local: int) -> H
         ]
         if weight.dim() != 2 or not row_dims:
             continue  # not a projection to heads (``RowwiseParallel`` shards the output projection's columns)
+        rows = weight.shape[0]
+        if weight.to_local().shape[0] != local * head_dim:
+            # The widest projection with one row per local head and dimension holds every head here: its
+            # rows are sharded for storage (FSDP2, read after resharding), not for heads.
+            holds_all = holds_all or (rows == widest == local * head_dim)
+            continue  # else another projection (grouped-query keys, values of another width)
         if len(row_dims) > 1:
             raise ValueError(
                 f"Layer {call.layer!r}: {name} has its rows sharded over mesh dimensions {row_dims}; attn_monitor "
                 "places heads sharded over one. Pass the heads with attn_monitor.declare_heads."
             )
-        rows, local_rows = weight.shape[0], weight.to_local().shape[0]
-        if local_rows != local * head_dim:
-            continue  # another projection (grouped-query keys, values of another width)
         mesh, dim = weight.device_mesh, row_dims[0]
         start = _shard_offset(rows, mesh.size(dim), mesh.get_local_rank(dim))
         if rows % head_dim or start % head_dim:
@@ -257,6 +261,8 @@ def _heads_from_weights(call: AttentionCall, module: nn.Module, local: int) -> H
                 f"{head_dim}; its heads cannot be placed."
             )
         slices.add(HeadSlice(start // head_dim, rows // head_dim))
+    if not slices and holds_all:
+        return None
     if len(slices) != 1:
         found = "no sharded projection matches" if not slices else f"projections disagree ({sorted(slices, key=str)})"
         raise ValueError(

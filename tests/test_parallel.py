@@ -191,6 +191,18 @@ def _hf_tensor_parallel(implementation: str) -> nn.Module:
     return parallelize_module(hf_model("llama", implementation), mesh, plan)
 
 
+def _hf_fully_sharded_attention() -> nn.Module:
+    """FSDP2 on every attention module itself: eager probabilities are read after it has resharded the weights."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.models import hf_model
+
+    model = hf_model("llama", "eager")
+    for layer in model.model.layers:
+        fully_shard(layer.self_attn)
+    return fully_shard(model)
+
+
 def _run(rank: int) -> dict[str, Any]:
     data, out = models.batches(), {}
     out["tp"] = _record(_tensor_parallel(rank), data)
@@ -209,6 +221,7 @@ def _run(rank: int) -> dict[str, Any]:
     out["context"] = _context_parallel(rank)
     for implementation in HF_IMPLEMENTATIONS:
         out[f"hf_{implementation}"] = _hf_record(_hf_tensor_parallel(implementation))
+    out["hf_fsdp_eager"] = _hf_record(_hf_fully_sharded_attention())
     return out
 
 
@@ -422,6 +435,18 @@ def test_a_hugging_face_llama_under_tensor_parallelism_equals_one_process(
         got = rank[f"hf_{implementation}"]
         assert got["layers"] == alone["layers"] and got["num_heads"] == [HEADS] * len(alone["layers"])
         assert torch.equal(got["count"], alone["count"])
+        torch.testing.assert_close(got["mean"], alone["mean"], atol=TOLERANCE, rtol=0)
+
+
+def test_weights_fsdp_resharded_before_the_read_are_not_tensor_parallel(ranks: list[dict[str, Any]]) -> None:
+    """FSDP2 shards rows over the data-parallel mesh, not heads: every rank holds all heads of its own batch."""
+    from tests.models import hf_model
+
+    alone = _hf_record(hf_model("llama", "eager"))
+    for rank in ranks:
+        got = rank["hf_fsdp_eager"]
+        assert got["layers"] == alone["layers"]
+        assert torch.equal(got["count"], 2 * alone["count"])  # both ranks ran the same batch
         torch.testing.assert_close(got["mean"], alone["mean"], atol=TOLERANCE, rtol=0)
 
 
