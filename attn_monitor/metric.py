@@ -5,7 +5,10 @@ reduces by sum or by max (STYLE.md §2): histogram bin counts, exact sums and
 counts, per-head maxima. :class:`LayerMetric` keeps all of them in two packed
 float64 states with one row per layer, ``sums`` and ``maxes``, named by a
 layer list. Memory is constant however many tokens are seen; merging batches,
-ranks or checkpoints is addition (or a maximum), matched by layer name.
+ranks or checkpoints is addition (or a maximum), matched by layer name. Under
+tensor parallelism a layer keeps a row per global head and each rank writes
+its slice at its offset (:meth:`LayerMetric.register_heads`), so the same sum
+counts every (query, head) once.
 
 A DDP sync costs three collectives whatever the number of layers: one
 ``all_gather_object`` of every rank's layer list with its (small) max state,

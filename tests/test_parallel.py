@@ -1,25 +1,34 @@
 """Per-head numbers under tensor, fully sharded and pipeline parallelism equal one process on the same data.
 
-Two real CPU gloo processes run every scenario in one process group and save
+Real CPU gloo processes run every scenario in one process group and save
 what the synced metrics say; the parent checks it against the float64
 reference of ``tests/parallel_models.py`` on the same data (and the
 histograms against one unsharded process):
 
 * ``tp``: the standard plan (ColwiseParallel q/k/v, RowwiseParallel o) over
   both ranks, which see the same batches: each rank's SDPA call holds 2 of
-  the 4 heads, placed from the DTensor weights.
+  the 4 heads, placed from the DTensor weights. Also transformers' Llama
+  (grouped-query keys) with sdpa and eager attention.
 * ``declared``: hand-written tensor parallelism with plain tensors, its heads
   given by :func:`~attn_monitor.declare_heads` (and a layer left whole on
   both ranks declared counted on one); without the declaration the capture
   refuses, naming the layer.
-* ``fsdp``: FSDP2 (``fully_shard``), each rank its own batch.
+* ``fsdp``: FSDP2 (``fully_shard``), each rank its own batch; also FSDP2 on
+  each attention module, whose weights are resharded when eager
+  probabilities are read.
 * ``pipeline``: rank 0 holds layer 0, rank 1 layer 1; merged by name.
 * ``context``: q and k as DTensors sharded along the sequence are refused
-  by name; replicated ones are counted once.
+  by name (skipped with one warning with ``errors="warn"``); replicated ones
+  are counted once.
+* 4 processes on a 2 x 2 (dp, tp) mesh, plain and with FSDP2 over dp.
+* Lightning's ``ModelParallelStrategy`` (1, 2) and (2, 1) in real
+  ``Trainer.fit`` runs, logs read back.
 
 Broken variants these tests were seen to catch: heads not placed (the
 issue's mix: 2 heads, doubled counts), the offset ignored (every rank at
-head 0), the shard offset from the wrong mesh coordinate.
+head 0), the shard offset from the wrong mesh coordinate, a declaration's
+``counted=False`` ignored (doubled counts), FSDP2's storage sharding taken
+for heads (a false refusal).
 """
 
 from __future__ import annotations
