@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from attn_monitor.diagnostics import MassDiagnostics
     from attn_monitor.eager import probabilities_at
     from attn_monitor.functional import (
+        KeyShardStatistics,
         attention_distance,
         attention_entropy,
         attention_lse,
@@ -26,12 +27,15 @@ if TYPE_CHECKING:
         entropy_from_logits,
         entropy_from_qk,
         histogram_quantile,
+        key_shard_statistics,
         mass_fraction,
+        merge_key_shards,
         normalize_entropy,
     )
     from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate, distance_from_probs
     from attn_monitor.masks import Support
     from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
+    from attn_monitor.parallel import declare_heads
 
 __all__ = [
     "AttentionCall",
@@ -42,6 +46,7 @@ __all__ = [
     "AttentionStatistics",
     "Comparison",
     "EntropySummary",
+    "KeyShardStatistics",
     "MassDiagnostics",
     "MassSummary",
     "StatisticsSummary",
@@ -52,13 +57,16 @@ __all__ = [
     "attention_lse",
     "attention_max_logit",
     "compare",
+    "declare_heads",
     "distance_from_probs",
     "entropy_from_logits",
     "entropy_from_qk",
     "evaluate_attention",
     "histogram_quantile",
+    "key_shard_statistics",
     "load_summary",
     "mass_fraction",
+    "merge_key_shards",
     "normalize_entropy",
     "probabilities_at",
     "save_summary",
@@ -74,6 +82,7 @@ _HOMES = {
     "MassDiagnostics": "diagnostics",
     **dict.fromkeys(
         (
+            "KeyShardStatistics",
             "attention_distance",
             "attention_entropy",
             "attention_lse",
@@ -81,7 +90,9 @@ _HOMES = {
             "entropy_from_logits",
             "entropy_from_qk",
             "histogram_quantile",
+            "key_shard_statistics",
             "mass_fraction",
+            "merge_key_shards",
             "normalize_entropy",
         ),
         "functional",
@@ -90,6 +101,7 @@ _HOMES = {
         ("AttentionStatistics", "StatisticsSummary", "StatisticsUpdate", "distance_from_probs"), "head_stats"
     ),
     "Support": "masks",
+    "declare_heads": "parallel",
     **dict.fromkeys(("AttentionEntropy", "AttentionMass", "EntropySummary", "MassSummary"), "metric"),
 }
 

@@ -49,6 +49,10 @@ class AttentionCall:
             ``score_mod(score, b, h, q_idx, kv_idx)`` applied to the scaled
             logits before the softmax (a flex ``score_mod``, Gemma-style
             soft-capping); None: the logits are ``scale * q k^T``.
+        head_offset: the layer's head this call's first head is (tensor
+            parallelism: a rank computes a slice of the heads). Set by the capture.
+        num_heads: the layer's heads on every rank together; None: the
+            call's own. Set by the capture.
     """
 
     layer: str
@@ -61,6 +65,8 @@ class AttentionCall:
     document_ids: Tensor | None = None
     self_attention: bool | None = None
     score_mod: ScoreMod | None = None
+    head_offset: int = 0
+    num_heads: int | None = None
 
 
 #: ``adapter(module, args, kwargs, output) -> AttentionCall | None``, called by a

@@ -90,6 +90,7 @@ from attn_monitor.functional import Method
 from attn_monitor.masks import Support
 from attn_monitor.metric import AttentionEntropy, EntropySummary
 from attn_monitor.names import named_layers
+from attn_monitor.parallel import place_heads
 from attn_monitor.shared import WarnOnce, describe, matches
 
 __all__ = ["AttentionCapture", "default_document_ids", "default_padding_mask", "evaluate_attention"]
@@ -634,7 +635,10 @@ class AttentionCapture:
                 call = replace(call, layer=name)
             self.num_calls += 1
             with torch.no_grad(), self._contained(call.layer):
-                call = replace(call, padding_mask=self._query_mask_of(call))
+                placed = place_heads(call, self.model)  # tensor parallelism: which of the layer's heads
+                if placed is None:
+                    continue
+                call = replace(placed, padding_mask=self._query_mask_of(placed))
                 sample = self._samples(call)
                 for consumer in self._consumers:
                     consumer(call, sample)

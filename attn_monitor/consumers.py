@@ -74,7 +74,14 @@ class EntropyUpdate:
             entropy = entropy.masked_fill(reached, math.nan)
         self._report_nonfinite(call.layer, entropy, sample)
         # The metric leaves non-finite queries out of its statistics and counts them (``nonfinite``).
-        self.metric.update(call.layer, entropy, call.support.num_valid(), sample)
+        self.metric.update(
+            call.layer,
+            entropy,
+            call.support.num_valid(),
+            sample,
+            head_offset=call.head_offset,
+            num_heads=call.num_heads,
+        )
 
     def _report_nonfinite(self, layer: str, entropy: Tensor, sample: Tensor) -> None:
         """Warn once per layer when sampled queries have non-finite entropy."""

@@ -199,6 +199,8 @@ class AttentionStatistics(LayerMetric):
         max_logit: Tensor | None = None,
         distance: Tensor | None = None,
         is_sample: Tensor | None = None,
+        head_offset: int = 0,
+        num_heads: int | None = None,
     ) -> None:
         """Add one call's per-query values (either may be left out).
 
@@ -207,6 +209,7 @@ class AttentionStatistics(LayerMetric):
             max_logit: (batch, heads, query) largest logit of each query.
             distance: (batch, heads, query) mean attention distance, >= 0.
             is_sample: bool, broadcastable to the values; None: every query.
+            head_offset, num_heads: as in :meth:`~attn_monitor.metric.AttentionEntropy.update`.
 
         Raises:
             TypeError: wrong types or dtypes.
@@ -251,14 +254,14 @@ class AttentionStatistics(LayerMetric):
                 fields["max_logit"] = value.masked_fill(~counted, -math.inf).amax((0, 2))
             else:
                 fields["distance_sum"] = torch.where(counted, value.clamp(min=0.0), 0.0).sum((0, 2))
-        self.register_layer(layer, shape[1])
-        self.accumulate(layer, **fields)
+        self.register_heads(layer, shape[1], head_offset, num_heads)
+        self.accumulate(layer, head_offset, **fields)
 
     def forward(self, layer: str, *args: Any, **kwargs: Any) -> Any:
         """Update with one call and return the summary of that call alone."""
         for value in (*args, kwargs.get("max_logit"), kwargs.get("distance")):
             if isinstance(value, Tensor) and value.dim() == 3:
-                self.register_layer(layer, value.shape[1])
+                self.register_heads(layer, value.shape[1], kwargs.get("head_offset", 0), kwargs.get("num_heads"))
                 break
         return super(LayerMetric, self).forward(layer, *args, **kwargs)
 
@@ -344,4 +347,4 @@ class StatisticsUpdate:
             return
         if reached is not None:
             values = {name: value.masked_fill(reached, math.nan) for name, value in values.items()}
-        self.metric.update(layer, is_sample=sample, **values)
+        self.metric.update(layer, is_sample=sample, head_offset=call.head_offset, num_heads=call.num_heads, **values)
