@@ -24,6 +24,7 @@ import dataclasses
 import gc
 import math
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -201,28 +202,35 @@ def test_hf_outputs_bit_identical(family: str, implementation: str, padding: str
     assert torch.equal(plain, after)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_hf_train_mode_with_attention_dropout_sdpa(family: str) -> None:
-    """Attention dropout must neither break recording nor change the entropy on the q/k path.
+def test_hf_train_mode_with_attention_dropout(family: str, implementation: str) -> None:
+    """Attention dropout must neither break recording nor change the entropy, on either path.
 
     Only the attention probabilities are dropped (p = 0.5), so layer 0 sees the
     same input as in eval mode and its entropy must equal the eval reference:
-    dropout is applied after the softmax, and the sdpa path reads q and k.
+    dropout is applied after the softmax, the sdpa path reads q and k, and
+    eager attention is read from its softmax's logits, without a warning (the
+    returned weights, after dropout, are not compared in train mode). Reading
+    the returned probabilities instead fails to match; an explicit
+    ``probabilities_at`` adapter still does that: see the next test.
     """
-    model = models.hf_model(family, "sdpa", attention_dropout=0.5)
+    model = models.hf_model(family, implementation, attention_dropout=0.5)
     batch = hf_batch("right")
     expected = hf_reference(model, family, batch)
     model.train()
     torch.manual_seed(0)
     capture = AttentionCapture(model, layers=[HF_LAYER_NAMES[family][0]])
-    with capture, capture.recording(batch["attention_mask"]):
-        model(**batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with capture, capture.recording(batch["attention_mask"]):
+            model(**batch)
     assert_summary(capture.metric.compute(), HF_LAYER_NAMES[family][:1], expected[:1])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_hf_train_mode_with_attention_dropout_eager(family: str) -> None:
-    """Eager attention returns its weights *after* dropout: recording must not break.
+def test_hf_train_mode_with_attention_dropout_probabilities_adapter(family: str) -> None:
+    """Returned weights are after dropout: recording through an explicit adapter must not break.
 
     Queries whose whole support was dropped are left out with one warning; the
     rest are renormalised over the support, so every value stays in [0, 1].
@@ -231,7 +239,8 @@ def test_hf_train_mode_with_attention_dropout_eager(family: str) -> None:
     batch = hf_batch("right")
     model.train()
     torch.manual_seed(0)
-    capture = AttentionCapture(model)
+    adapters = {name: probabilities_at(1, bool_mask="auto") for name in HF_LAYER_NAMES[family]}
+    capture = AttentionCapture(model, adapters=adapters)
     with pytest.warns(UserWarning, match="dropout"), capture, capture.recording(batch["attention_mask"]):
         model(**batch)
     summary = capture.metric.compute()

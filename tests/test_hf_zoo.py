@@ -20,11 +20,24 @@ Whisper's encoder takes no mask (every audio frame is real). Bloom and MPT
 have eager attention only (probabilities, MPT with a bool mask that is True
 where a key is hidden); T5 returns ``(output, position_bias, weights)`` and
 takes its mask as ``mask=``.
+
+Families whose eager modules apply masks the ``attention_mask=`` argument does
+not show, read from the logits of their own softmax:
+
+* GPT-Neo: layer 0 global (causal), layer 1 local: keys ``i - W < j <= i``
+  (its window from the module's ``bias`` buffer), both with key padding;
+* DeBERTa-v2: keys where ``attention_mask`` is 1, from a (B, 1, N, N) 0/1
+  int64 mask; its modules return no weights without ``output_attentions``;
+* Swin: every key of the query's window is visible (the shifted blocks'
+  -100 is a finite bias, not a mask), every query is counted, in batches of
+  (batch x windows).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 import zlib
 
 import pytest
@@ -33,6 +46,7 @@ from torch import Tensor, nn
 
 from attn_monitor.capture import AttentionCapture, evaluate_attention
 from attn_monitor.eager import probabilities_at
+from attn_monitor.head_stats import StatisticsUpdate
 from tests import models, reference
 
 pytest.importorskip("transformers")
@@ -43,6 +57,8 @@ SPREAD = 0.02
 BATCH = 3
 SEQ2SEQ = ("bart", "t5", "whisper")
 DECODER_ONLY = ("bloom", "mpt")
+#: Families read from the input of their own softmax.
+SOFTMAX_FAMILIES = ("gpt_neo", "deberta_v2", "swin")
 #: (source length, target length).
 LENGTHS = {"equal": (10, 10), "unequal": (10, 7)}
 #: Real tokens per row: the encoder and the decoder are padded differently on purpose.
@@ -67,6 +83,12 @@ def layer_names(family: str) -> dict[str, list[str]]:
         }
     if family == "bloom":
         return {"self": [f"transformer.h.{i}.self_attention" for i in layers]}
+    if family == "gpt_neo":
+        return {"self": [f"transformer.h.{i}.attn.attention" for i in layers]}
+    if family == "deberta_v2":
+        return {"self": [f"encoder.layer.{i}.attention.self" for i in layers]}
+    if family == "swin":
+        return {"self": [f"encoder.layers.{s}.blocks.{b}.attention" for s in layers for b in range(2)]}
     return {"self": [f"transformer.blocks.{i}.attn" for i in layers]}
 
 
@@ -382,3 +404,142 @@ def test_torch_transformer_decoder_counts_its_own_queries() -> None:
         index = summary.layer_index(name)
         assert summary.count[index].tolist() == count.tolist(), name
         torch.testing.assert_close(summary.mean[index], mean, atol=TOL, rtol=0, msg=name)
+
+
+# --------------------------------------------------------------------------- read from the softmax's logits
+
+
+def gpt_neo_visible(real: Tensor, layer: int) -> Tensor:
+    """(B, 1, N, N) support of GPT-Neo's layer ``layer``: causal, windowed in the local layers, key padding."""
+    n = real.shape[1]
+    rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = cols <= rows
+    if layer % 2 == 1:  # attention_types: global, local, global, ...
+        visible = visible & (cols > rows - models.GPT_NEO_WINDOW)
+    return visible & real[:, None, None, :]
+
+
+def softmax_family_batch(family: str, side: str) -> dict[str, Tensor]:
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{family}-{side}".encode()))
+    if family == "swin":
+        image = models.SWIN_SIZES[0]
+        return {"pixel_values": torch.randn(BATCH, 3, image, image, generator=generator)}
+    return decoder_only_batch(family, side)
+
+
+def softmax_family_reference(family: str, batch: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """layer -> ((H,) mean, (H,) count) from each attention module's own returned weights, supports by hand."""
+    model = model_of(family, "eager")
+    names = layer_names(family)["self"]
+    weights: dict[str, Tensor] = {}
+    handles = [
+        model.get_submodule(name).register_forward_hook(
+            lambda module, args, output, name=name: weights.__setitem__(name, output[1])
+        )
+        for name in names
+    ]
+    try:
+        with torch.no_grad():
+            model(**batch, output_attentions=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    expected = {}
+    for layer, name in enumerate(names):
+        probs = weights[name]
+        if family == "swin":  # (batch x windows, heads, N, N): every key visible, every query counted
+            visible = torch.ones(1, 1, 1, probs.shape[-1], dtype=torch.bool)
+            real = torch.ones(probs.shape[0], probs.shape[-2], dtype=torch.bool)
+        else:
+            real = batch["attention_mask"].bool()
+            visible = gpt_neo_visible(real, layer) if family == "gpt_neo" else real[:, None, None, :]
+        expected[name] = reference.head_means(probs, visible, real)
+    return expected
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("family", SOFTMAX_FAMILIES)
+def test_masks_inside_the_module_match_reference(family: str, side: str) -> None:
+    """GPT-Neo's windows, DeBERTa-v2's (B, 1, N, N) int mask, Swin's shifted windows: read from the softmax.
+
+    Reading the returned weights with the ``attention_mask=`` argument instead fails each of them:
+    GPT-Neo's local layer is normalised over every causal key (0.08 off), DeBERTa-v2 returns no
+    weights, Swin's window-batched mask does not broadcast.
+    """
+    if family == "swin" and side == "left":
+        pytest.skip("Swin has no padding")
+    batch = softmax_family_batch(family, side)
+    expected = softmax_family_reference(family, batch)
+    model = model_of(family, "eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the returned weights agree with the softmax: no warning
+        summary = evaluate_attention(model, [batch])
+    assert_matches(summary, expected)
+
+
+def test_deberta_v2_with_output_attentions_matches_reference() -> None:
+    """Asked for its weights, DeBERTa-v2 returns them next to a (B, 1, N, N) int64 mask: the same numbers."""
+    batch = softmax_family_batch("deberta_v2", "left")
+    expected = softmax_family_reference("deberta_v2", batch)
+    summary = evaluate_attention(model_of("deberta_v2", "eager"), [{**batch, "output_attentions": True}])
+    assert_matches(summary, expected)
+
+
+def test_swin_shifted_windows_carry_a_finite_bias() -> None:
+    """The Swin reference means something: one block of the first stage is shifted, its mask a finite
+    -100 between regions of a window (visible keys with a bias), and attention runs on (batch x windows)."""
+    model = model_of("swin", "eager")
+    image, patch, window = models.SWIN_SIZES
+    side = image // patch
+    plain, shifted = (model.get_submodule(name.rsplit(".", 1)[0]) for name in layer_names("swin")["self"][:2])
+    assert plain.get_attn_mask(side, side, torch.float32, torch.device("cpu")) is None
+    mask = shifted.get_attn_mask(side, side, torch.float32, torch.device("cpu"))
+    assert mask.shape == ((side // window) ** 2, window**2, window**2)
+    assert set(mask.unique().tolist()) == {-100.0, 0.0}
+    expected = softmax_family_reference("swin", softmax_family_batch("swin", "right"))
+    first = expected[layer_names("swin")["self"][0]][1]
+    assert first.tolist() == [BATCH * side**2] * first.shape[0]  # every patch of every image, once per head
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_gpt_neo_max_logit_matches_float64_reference(side: str) -> None:
+    """Eager layers report max logit: GPT-Neo's (unscaled ``q k^T``) from float64 q and k, windows included."""
+    model = model_of("gpt_neo", "eager")
+    batch = softmax_family_batch("gpt_neo", side)
+    names = layer_names("gpt_neo")["self"]
+    inputs: dict[str, Tensor] = {}
+    handles = [
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda module, args, name=name: inputs.__setitem__(name, args[0])
+        )
+        for name in names
+    ]
+    update = StatisticsUpdate(distance=False)
+    capture = AttentionCapture(model)
+    try:
+        with capture, torch.no_grad(), capture.recording(batch["attention_mask"], consumers=[update]):
+            model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    summary = update.metric.compute()
+    real = batch["attention_mask"].bool()
+    for layer, name in enumerate(names):
+        module = model.get_submodule(name)
+        hidden = inputs[name].double()
+
+        def heads(weight: Tensor, hidden: Tensor = hidden) -> Tensor:
+            return (
+                (hidden @ weight.double().T)
+                .view(BATCH, -1, models.ZOO_HEADS, models.ZOO_HIDDEN // models.ZOO_HEADS)
+                .transpose(1, 2)
+            )
+
+        visible = gpt_neo_visible(real, layer)
+        per_query = reference.max_logit_from_qk(heads(module.q_proj.weight), heads(module.k_proj.weight), visible, 1.0)
+        counted = real[:, None, :] & visible.any(-1)
+        expected = torch.where(counted, per_query, -math.inf).amax((0, 2))
+        assert float(expected.max() - expected.min()) > 1.0, f"reference heads of {name} barely differ"
+        index = summary.layers.index(name)
+        torch.testing.assert_close(summary.max_logit[index], expected, atol=1e-4, rtol=1e-6, msg=name)
+        assert summary.logit_count[index].tolist() == counted.expand(-1, models.ZOO_HEADS, -1).sum((0, 2)).tolist()
