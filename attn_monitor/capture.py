@@ -480,10 +480,10 @@ class AttentionCapture:
         elif name in self._automatic:
             self._warn_once(
                 f"no-probabilities:{name}",
-                f"attn_monitor saw no attention in {name!r} ({type(module).__name__}): its output "
-                f"[{self._automatic[name]}] holds no probabilities and no softmax over its keys ran inside it. Run "
-                f"the model with output_attentions=True, or pass `adapters={{{name!r}: your_adapter}}`; this layer "
-                "is skipped.",
+                f"attn_monitor saw no attention in {name!r} ({type(module).__name__}): its "
+                f"output[{self._automatic[name]}] holds no probabilities and no softmax over its keys ran inside "
+                f"it. Run the model with output_attentions=True, or pass `adapters={{{name!r}: your_adapter}}`; "
+                "this layer is skipped.",
             )
 
     def _accept(self, name: str, module: nn.Module, args: tuple, kwargs: dict, call: AttentionCall) -> None:

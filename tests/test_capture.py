@@ -698,6 +698,30 @@ def test_nested_captures_clean_up_independently() -> None:
     assert int(outer.metric.compute().count.sum()) == 2 * int(inner.metric.compute().count.sum())
 
 
+def _refuse(call, sample) -> None:
+    raise ValueError("measuring refused")
+
+
+@pytest.mark.parametrize(
+    ("name", "layer", "module_class"),
+    [
+        ("gpt2-eager", "transformer.h.0.attn", "module class GPT2Attention"),
+        ("gpt2-sdpa", "transformer.h.0.attn", "module class GPT2Attention"),
+        ("nanogpt", "blocks.0.attn", "module class CausalSelfAttention"),
+    ],
+)
+def test_offline_errors_name_the_layer_and_its_class(name: str, layer: str, module_class: str) -> None:
+    """``errors="raise"``: an error of a reader or consumer keeps its type and names the layer and its class.
+
+    Without the naming (the error re-raised as it came) the match fails.
+    """
+    model, run = HOOK_MODELS[name]()
+    capture = AttentionCapture(model)
+    named = rf"could not record a call of '{layer}' \({module_class}\): measuring refused.*layers="
+    with capture, torch.no_grad(), pytest.raises(ValueError, match=named), capture.recording(consumers=[_refuse]):
+        run(model)
+
+
 def test_recording_misuse() -> None:
     model = models.NanoGPT().eval()
     capture = AttentionCapture(model)

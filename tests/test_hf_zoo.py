@@ -311,6 +311,89 @@ def test_unreadable_eager_attention_warns_and_names_the_module() -> None:
         evaluate_attention(model, [torch.randn(2, 5, 8)])
 
 
+class WrittenOutAttention(nn.Module):
+    """Hugging Face style eager attention written out by hand, each way a module can hide its weights.
+
+    ``weights``: "returned" (its softmax's output), "head_mask" (that output halved before it is
+    returned), "none" (returns None), "twice" (a second softmax over ten times the first one's output, returned).
+    ``softmax``: False computes the weights with ``exp`` and a sum, so no softmax can be seen.
+    """
+
+    def __init__(self, weights: str, softmax: bool = True) -> None:
+        super().__init__()
+        self.weights, self.softmax = weights, softmax
+        self.qk = nn.Linear(8, 16)
+        with torch.no_grad():
+            self.qk.weight *= 2.0  # far from uniform,
+            self.qk.weight[:4] *= 3.0  # and head 0 (its queries: rows 0-3) far sharper than head 1
+
+    def logits(self, hidden_states: Tensor) -> Tensor:
+        q, k = self.qk(hidden_states).view(*hidden_states.shape[:2], 2, 2, 4).unbind(2)
+        return torch.einsum("bqhd,bkhd->bhqk", q, k)
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        logits = self.logits(hidden_states)
+        probs = torch.softmax(logits, dim=-1) if self.softmax else logits.exp() / logits.exp().sum(-1, keepdim=True)
+        if self.weights == "twice":
+            probs = (10 * probs).softmax(-1)
+        returned = {"returned": probs, "head_mask": 0.5 * probs, "none": None, "twice": probs}[self.weights]
+        return hidden_states + probs.sum(), returned
+
+
+class WrittenOutModel(nn.Module):
+    def __init__(self, weights: str, softmax: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = type("Config", (), {"_attn_implementation": "eager"})()
+        self.blocks = nn.ModuleList([WrittenOutAttention(weights, softmax)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.blocks[0](x)[0]
+
+
+def written_out_reference(model: WrittenOutModel, x: Tensor, twice: bool = False) -> dict[str, tuple[Tensor, Tensor]]:
+    """Every key visible, every query counted: the float64 softmax of float64 logits (twice, if asked)."""
+    attention = model.blocks[0].requires_grad_(False)
+    hidden = x.double()
+    q, k = (hidden @ attention.qk.weight.double().T + attention.qk.bias.double()).view(*x.shape[:2], 2, 2, 4).unbind(2)
+    probs = torch.einsum("bqhd,bkhd->bhqk", q, k).softmax(-1)
+    if twice:
+        probs = (10 * probs).softmax(-1)
+    everything = torch.ones(x.shape[0], x.shape[1], dtype=torch.bool)
+    return {"blocks.0": reference.head_means(probs, everything[:, None, None, :], everything)}
+
+
+def test_weights_that_differ_from_the_softmax_warn_and_the_softmax_is_measured() -> None:
+    """A module that changes its weights after the softmax (a head mask) is named; its logits are measured."""
+    model, x = WrittenOutModel("head_mask"), torch.randn(2, 6, 8)
+    expected = written_out_reference(model, x)
+    differs = r"'blocks\.0' \(WrittenOutAttention\) returned attention weights at output\[1\] that differ"
+    with pytest.warns(UserWarning, match=differs):
+        summary = evaluate_attention(model, [x])
+    assert_matches(summary, expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # weights as the softmax made them: nothing to say
+        assert_matches(evaluate_attention(WrittenOutModel("returned"), [x]), expected)
+
+
+def test_several_softmaxes_keep_the_probabilities_reader() -> None:
+    """Two softmaxes inside one module cannot be told apart: the returned weights are read, as before."""
+    model, x = WrittenOutModel("twice"), torch.randn(2, 6, 8)
+    assert_matches(evaluate_attention(model, [x]), written_out_reference(model, x, twice=True))
+
+
+def test_no_weights_and_no_softmax_warns_naming_the_module() -> None:
+    """Returned weights are None and no softmax ran: the module, its class and what to pass are named."""
+    model = WrittenOutModel("none", softmax=False)
+    unread = r"'blocks\.0' \(WrittenOutAttention\).*output\[1\] holds no probabilities.*output_attentions=True"
+    with pytest.warns(UserWarning, match=unread), pytest.raises(RuntimeError, match="captured no attention"):
+        evaluate_attention(model, [torch.randn(2, 5, 8)])
+    # With a softmax the same module is read, weights or not.
+    x = torch.randn(2, 6, 8)
+    model = WrittenOutModel("none")
+    assert_matches(evaluate_attention(model, [x]), written_out_reference(model, x))
+
+
 def test_padding_mask_of_another_sequence_warns() -> None:
     """A mask whose length is not the layer's query count is not used for it, and says so."""
     model = model_of("bloom", "eager")
