@@ -737,6 +737,39 @@ def test_recording_misuse() -> None:
     assert capture.num_calls == models.LAYERS
 
 
+def test_nonfinite_softmax_logits_are_counted_not_raised() -> None:
+    """A NaN logit (a diverging model) leaves its query out, counted as non-finite; ``-inf`` only hides a key.
+
+    Without the logits branch of ``without_nonfinite`` the update raises on the NaN.
+    """
+    from attn_monitor.consumers import EntropyUpdate
+    from attn_monitor.head_stats import StatisticsUpdate
+    from attn_monitor.metric import AttentionEntropy
+    from attn_monitor.softmax import logits_call
+    from tests import reference
+
+    logits = 3.0 * torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(0))
+    logits[0, 0, 0, 3] = -math.inf
+    logits[0, 1, 2, 1] = math.nan
+    call = dataclasses.replace(logits_call(logits, logits.softmax(-1)), layer="eager")
+    metric, statistics = AttentionEntropy(), StatisticsUpdate(distance=False)
+    sample = torch.ones(1, 1, 3, dtype=torch.bool)
+    with pytest.warns(UserWarning, match="NaN or inf"):
+        EntropyUpdate(metric)(call, sample)
+    statistics(call, sample)
+    summary = metric.compute()
+    assert summary.nonfinite.tolist() == [[0.0, 1.0]]
+    assert summary.count.tolist() == [[3.0, 2.0]]
+    visible = logits > -math.inf
+    entropy = reference.entropy_from_scores(logits.nan_to_num(0.0).double(), visible)
+    normalised = reference.normalize(entropy, reference.num_valid(visible))
+    expected = [float(normalised[0, 0].mean()), float(normalised[0, 1, :2].mean())]
+    assert summary.mean[0].tolist() == pytest.approx(expected, abs=1e-6)
+    largest = statistics.metric.compute().max_logit[0]
+    want = [float(logits[0, 0].masked_fill(~visible[0, 0], -math.inf).max()), float(logits[0, 1, :2].max())]
+    assert largest.tolist() == pytest.approx(want, abs=1e-6)
+
+
 @pytest.mark.parametrize("name", ["nanogpt", "gpt2-eager", "mha"])
 def test_no_reference_to_captured_tensors_survives(name: str) -> None:
     if name == "mha":
