@@ -17,21 +17,25 @@ chosen per call:
 2. **nn.MultiheadAttention** (alone or in ``nn.Transformer*`` layers): the
    same mode sees ``F.multi_head_attention_forward`` and recomputes q and k
    from its input projection. The module's own call is not changed.
-3. **Probability outputs**: modules whose output holds the attention
+3. **Eager softmax inputs**: while a Hugging Face ``eager`` attention module
+   runs (found automatically, see :class:`AttentionCapture`), the same mode
+   sees the softmax over the keys it calls; its input, the logits with every
+   mask the module applied, gives the support, entropy and max logit
+   (:mod:`attn_monitor.softmax`).
+4. **Probability outputs**: modules whose output holds the attention
    probabilities are read by a forward hook through an adapter;
    :func:`probabilities_at` builds one, and any callable with the
-   :data:`Adapter` signature is accepted for other modules. Hugging Face
-   ``eager`` attention is found automatically (see
-   :class:`AttentionCapture`).
-4. **FlexAttention**: the same mode sees ``flex_attention``'s operator and
+   :data:`Adapter` signature is accepted for other modules. Eager modules
+   with no softmax the mode can tie to them are read this way.
+5. **FlexAttention**: the same mode sees ``flex_attention``'s operator and
    reads q, k, the scale, the block mask (the support, see
    :func:`~attn_monitor.flex.block_mask_support`) and the ``score_mod``,
    whose modified logits the entropy is taken of.
-5. **Hugging Face's attention interface**: while recording, every function
+6. **Hugging Face's attention interface**: while recording, every function
    of ``ALL_ATTENTION_FUNCTIONS`` is wrapped (:mod:`attn_monitor.hf_interface`):
    flash, flex and registered kernels are read where they are called
    (paged ones are refused: their keys sit in a cache the call does not
-   show). A call that path 1 or 4 sees inside the kernel is counted once,
+   show). A call that path 1 or 5 sees inside the kernel is counted once,
    by that path. An attention module of a Hugging Face model that ran
    without any call being read gets one warning naming it and its
    ``attn_implementation``.
@@ -73,6 +77,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from attn_monitor import hf_interface
+from attn_monitor.batches import default_document_ids, default_forward, default_padding_mask
 from attn_monitor.calls import Adapter, AttentionCall, Consumer
 from attn_monitor.consumers import EntropyUpdate
 from attn_monitor.eager import (
@@ -163,16 +168,21 @@ class AttentionCapture:
             automatically: every attention module (class name with
             "Attention"/"Attn", none inside it) under a module whose
             ``config._attn_implementation`` is ``"eager"`` (also modules that
-            hold no config themselves, as in Bloom and MPT), its
-            probabilities at the index the model declares for its
-            ``attentions`` outputs (``_can_record_outputs``; 1 where it
-            declares none), its mask from the forward argument named
-            ``attention_mask`` or ``mask``, a bool mask read in the polarity
-            its probabilities agree with. A module whose output does not hold
-            probabilities there is skipped with a warning that names it.
+            hold no config themselves, as in Bloom and MPT). Each is read from
+            the one softmax over the last dim of a (batch, heads, query, key)
+            tensor it calls (:mod:`attn_monitor.softmax`); in eval mode the
+            weights it returns are checked against that softmax's output.
+            Without one such softmax: its probabilities at the index the
+            model declares for its ``attentions`` outputs
+            (``_can_record_outputs``; 1 where it declares none), its mask
+            from the forward argument named ``attention_mask`` or ``mask``, a
+            bool mask read in the polarity its probabilities agree with. A
+            module whose output does not hold probabilities there is skipped
+            with a warning that names it.
         method: entropy path for q/k calls (see :func:`entropy_from_qk`).
         errors: what an error while reading or measuring a call does:
-            ``"raise"`` (default) lets it propagate; ``"warn"`` skips that
+            ``"raise"`` (default) raises it again, of its type where it
+            allows, naming the layer and its module class; ``"warn"`` skips that
             call, counts it per layer in :attr:`skipped` and warns once per
             layer, so that monitoring never stops the model's own work (the
             Lightning callback records this way).
@@ -730,54 +740,6 @@ def _own_tokens(support: Support) -> Tensor | None:
     return support.dense().any(-2).any(-2)
 
 
-#: Batch keys that describe the batch for attn_monitor, not arguments of the model.
-_BATCH_ONLY_KEYS = ("document_ids",)
-
-
-def _default_forward(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, Mapping):
-        return model(**{key: value for key, value in batch.items() if key not in _BATCH_ONLY_KEYS})
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
-def _batch_tensor(batch: Any, key: str) -> Tensor | None:
-    if isinstance(batch, Mapping):
-        value = batch.get(key)
-        if isinstance(value, Tensor) and value.dim() == 2:
-            return value
-    return None
-
-
-def default_padding_mask(batch: Any) -> Tensor | dict[str, Tensor] | None:
-    """The padding mask of a dict batch (Hugging Face style), else None.
-
-    Its (batch, seq) ``attention_mask`` (the encoder's, or a decoder-only
-    model's); with a ``decoder_attention_mask`` as well, the mapping
-    ``{"*decoder.*": decoder_attention_mask, "*": attention_mask}``: decoder
-    layers (self- and cross-attention) count the decoder's real tokens.
-
-    Example:
-        >>> mask = torch.ones(2, 5, dtype=torch.long)
-        >>> sorted(default_padding_mask({"attention_mask": mask, "decoder_attention_mask": mask[:, :3]}))
-        ['*', '*decoder.*']
-    """
-    source = _batch_tensor(batch, "attention_mask")
-    target = _batch_tensor(batch, "decoder_attention_mask")
-    if target is None:
-        return source
-    masks = {"*decoder.*": target}
-    if source is not None:
-        masks["*"] = source
-    return masks
-
-
-def default_document_ids(batch: Any) -> Tensor | None:
-    """The (batch, seq) ``document_ids`` of a dict batch (packed sequences), else None."""
-    return _batch_tensor(batch, "document_ids")
-
-
 def evaluate_attention(
     model: nn.Module,
     batches: Iterable[Any],
@@ -830,7 +792,7 @@ def evaluate_attention(
         >>> summary.layers
         ['self_attn']
     """
-    forward = forward or _default_forward
+    forward = forward or default_forward
     padding_mask = padding_mask or default_padding_mask
     document_ids = document_ids or default_document_ids
     capture = AttentionCapture(model, metric, layers=layers, adapters=adapters)
