@@ -613,7 +613,8 @@ class AttentionCapture:
                 continue
             self._warn_once(
                 f"unread:{name}",
-                f"attn_monitor saw no attention call in {name!r} (attn_implementation={implementation!r}): its "
+                f"attn_monitor saw no attention call in {name!r} ({type(self._owners[name]).__name__}, "
+                f"attn_implementation={implementation!r}): its "
                 "kernel is called neither through torch.nn.functional.scaled_dot_product_attention, flex_attention "
                 "nor transformers' ALL_ATTENTION_FUNCTIONS. This layer is not monitored; run it with "
                 "attn_implementation='sdpa' or 'eager', or pass an adapter for it.",
