@@ -98,10 +98,10 @@ def without_nonfinite(call: AttentionCall) -> tuple[AttentionCall, Tensor | None
     discarded. None when every value is finite (``-inf`` logits hide keys).
     """
     if call.logits is not None:
-        bad = call.logits.isnan() | (call.logits == math.inf)
-        if not bad.any():
+        largest = float(call.logits.amax())  # NaN where any logit is NaN
+        if not (math.isnan(largest) or largest == math.inf):
             return call, None
-        reached = bad.any(-1)
+        reached = (call.logits.isnan() | (call.logits == math.inf)).any(-1)
         rows = reached[..., None]
         probs = None if call.probs is None else call.probs.masked_fill(rows, 1.0)
         return replace(call, logits=call.logits.masked_fill(rows, 0.0), probs=probs), reached

@@ -77,10 +77,10 @@ def logits_call(logits: Tensor, probs: Tensor) -> AttentionCall:
         [[[3]]]
     """
     logits, probs = logits.detach(), probs.detach()
-    visible = ~(logits <= HIDDEN_LOGIT)
+    hidden = logits <= HIDDEN_LOGIT
     mask: Tensor | None = None
-    if not bool(visible.all()):
-        mask = visible[:, :1] if bool((visible == visible[:, :1]).all()) else visible
+    if bool(hidden.any()):
+        mask = ~(hidden[:, :1] if bool((hidden == hidden[:, :1]).all()) else hidden)
     support = Support(logits.shape[-2], logits.shape[-1], mask=mask)
     return AttentionCall(layer="", support=support, probs=probs, logits=logits)
 
