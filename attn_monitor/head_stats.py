@@ -39,9 +39,36 @@ from attn_monitor.functional import attention_distance, attention_max_logit, bro
 from attn_monitor.metric import LayerMetric, copy_statistics, put_nonfinite
 from attn_monitor.shared import WarnOnce
 
-__all__ = ["AttentionStatistics", "StatisticsSummary", "StatisticsUpdate", "distance_from_probs"]
+__all__ = [
+    "AttentionStatistics",
+    "StatisticsSummary",
+    "StatisticsUpdate",
+    "distance_from_probs",
+    "max_logit_from_logits",
+]
 
 _SUM_FIELDS = ("logit_count", "logit_nonfinite", "distance_sum", "distance_count", "distance_nonfinite")
+
+
+def max_logit_from_logits(scores: Tensor, mask: Tensor) -> Tensor:
+    """Largest logit each query gives a visible key, from the logits an eager softmax received.
+
+    Args:
+        scores: (batch, heads, query, key) logits, masks and biases included.
+        mask: bool, broadcastable to ``scores``; True = visible.
+
+    Returns:
+        (batch, heads, query) maximum logits, float32 at least; NaN where a
+        query has no visible key.
+
+    Example:
+        >>> scores = torch.tensor([[[[1.0, 3.0, -100.0], [2.0, 5.0, 0.0]]]])
+        >>> max_logit_from_logits(scores, torch.tensor([[True, False, True], [False, False, False]]))
+        tensor([[[1., nan]]])
+    """
+    hidden = torch.full((), -math.inf, dtype=scores.dtype, device=scores.device)
+    largest = torch.where(mask, scores, hidden).amax(-1).to(torch.promote_types(scores.dtype, torch.float32))
+    return largest.masked_fill(largest == -math.inf, math.nan)
 
 
 def distance_from_probs(attn: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -325,8 +352,10 @@ class StatisticsUpdate:
                 "attention distance is not measured for it.",
             )
         values: dict[str, Tensor] = {}
+        if call.logits is not None and self.max_logit:
+            values["max_logit"] = max_logit_from_logits(call.logits, support.dense())
         if call.probs is not None:
-            if self.max_logit:
+            if self.max_logit and call.logits is None:
                 self._warn_once(
                     f"max-logit:{layer}",
                     f"attn_monitor: {layer!r} returns attention probabilities, not logits: its max logit cannot be "

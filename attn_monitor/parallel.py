@@ -94,12 +94,12 @@ def declare_heads(module: nn.Module, *, head_offset: int, num_heads: int, counte
     _DECLARED[module] = heads if counted else None
 
 
-def place_heads(call: AttentionCall, model: nn.Module) -> AttentionCall | None:
+def place_heads(call: AttentionCall, module: nn.Module | None) -> AttentionCall | None:
     """``call`` with its heads placed among its layer's (and DTensor q and k made local).
 
     Args:
-        call: a call as a reader made it, its layer named in ``model``.
-        model: the model the capture watches.
+        call: a call as a reader made it.
+        module: the module of its layer; None for a call made outside any module.
 
     Returns:
         The call with ``head_offset`` and ``num_heads`` set; None where
@@ -123,7 +123,6 @@ def place_heads(call: AttentionCall, model: nn.Module) -> AttentionCall | None:
     local = _local_heads(call)
     if _is_dtensor(call.q) or _is_dtensor(call.k):
         return _place_dtensor_call(call)
-    module = _module_of(call.layer, model)
     if module is None:
         return call
     if module in _DECLARED:
@@ -141,16 +140,6 @@ def place_heads(call: AttentionCall, model: nn.Module) -> AttentionCall | None:
             f"{heads.num_heads} heads."
         )
     return replace(call, head_offset=heads.head_offset, num_heads=heads.num_heads)
-
-
-def _module_of(layer: str, model: nn.Module) -> nn.Module | None:
-    """The module a layer name names (the model itself goes by its class name); None for calls outside any."""
-    if layer == type(model).__name__:
-        return model
-    try:
-        return model.get_submodule(layer)
-    except AttributeError:
-        return None
 
 
 def _local_heads(call: AttentionCall) -> int:
