@@ -649,9 +649,8 @@ class AttentionCapture:
                 call = replace(call, layer=name)
             self.num_calls += 1
             with torch.no_grad(), self._contained(call.layer):
-                placed = place_heads(
-                    call, self._module_of(call.layer)
-                )  # tensor parallelism: which of the layer's heads
+                # Tensor parallelism: which of the layer's heads this rank holds.
+                placed = place_heads(call, self._module_of(call.layer))
                 if placed is None:
                     continue
                 call = replace(placed, padding_mask=self._query_mask_of(placed))

@@ -19,7 +19,20 @@ LAYERS = {
     **dict.fromkeys(("masks", "functional", "flex"), 1),
     "metric": 2,
     **dict.fromkeys(
-        ("calls", "batches", "eager", "softmax", "mha", "hf_interface", "parallel", "capture", "consumers", "diagnostics", "head_stats"), 3
+        (
+            "calls",
+            "batches",
+            "eager",
+            "softmax",
+            "mha",
+            "hf_interface",
+            "parallel",
+            "capture",
+            "consumers",
+            "diagnostics",
+            "head_stats",
+        ),
+        3,
     ),
     **dict.fromkeys(("loggers", "figures", "alerts", "comparison"), 4),
     **dict.fromkeys(("schedule", "recording", "callback"), 5),
