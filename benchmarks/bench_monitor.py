@@ -211,7 +211,8 @@ def bench_validation(val_batches: int, repeats: int, threads: int, memory: bool)
         f"{repeats} interleaved repeats (order rotated), each a fresh Trainer + TensorBoardLogger (temporary "
         "directory) + monitor on the same model and dataloader; monitored = `AttentionEntropyMonitor(batches=k)` "
         "logging scalars, per-head stats, 100-bin histograms and the heatmap figure at the epoch end (last row: "
-        "scalars only, `histogram_bins=None, heatmap=False`). Only `validate` is timed. validate ms: median; "
+        "scalars only, `log=LogOptions(histogram_bins=None, heatmap=False)`). Only `validate` is timed. "
+        "validate ms: median; "
         "ratio and extra: median [inter-quartile range] over repeats of the paired (same repeat) ratio to the "
         "unmonitored run and of (monitored - unmonitored) / k, epoch-end work included.",
         "",
