@@ -40,6 +40,8 @@ class Alert:
     reads: ClassVar[str] = "entropy"
     #: Whether a finding asks the monitor to stop training.
     stop: bool = False
+    #: The settings :meth:`__repr__` shows.
+    _shown: ClassVar[tuple[str, ...]] = ("threshold",)
 
     def __init__(self, prefix: str, warn: Callable[..., object]) -> None:
         self.prefix = prefix
@@ -51,6 +53,9 @@ class Alert:
     def enabled(self) -> bool:
         """Whether the alert checks anything."""
         raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{name}={getattr(self, name)!r}' for name in self._shown)})"
 
     def bind(self, warn: Callable[..., object], prefix: str | None = None) -> None:
         """Warn through ``warn`` from now on (the monitor's: rank zero, and W&B alerts), and name with ``prefix``."""
@@ -136,6 +141,8 @@ class CollapseAlert(Alert):
         >>> alert.flagged, len(caught)
         (True, 1)
     """
+
+    _shown = ("threshold", "drop", "stop")
 
     def __init__(
         self,
