@@ -285,7 +285,7 @@ def _lightning_worker(rank: int, port: int, out_dir: str) -> None:
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from attn_monitor import AttentionEntropyMonitor
+    from attn_monitor import AttentionEntropyMonitor, LogOptions, Statistics
 
     os.environ.update(
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD_SIZE), "NODE_RANK": "0"}
@@ -294,7 +294,9 @@ def _lightning_worker(rank: int, port: int, out_dir: str) -> None:
     loader = torch.utils.data.DataLoader(models.items(), batch_size=None)
     for name, (data_parallel, tensor_parallel) in LIGHTNING_RUNS.items():
         # Each data-parallel rank gets its share of the 2 validation items; the union is all of them.
-        monitor = AttentionEntropyMonitor(batches=2 // data_parallel, heatmap=False, max_logit=True)
+        monitor = AttentionEntropyMonitor(
+            batches=2 // data_parallel, statistics=Statistics(max_logit=True), log=LogOptions(heatmap=False)
+        )
         trainer = Trainer(
             accelerator="cpu",
             devices=WORLD_SIZE,
