@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from torch import Tensor, nn
 
-from attn_monitor.flex import ScoreMod
+from attn_monitor.functional import ScoreMod
 from attn_monitor.masks import Support
 
 __all__ = ["Adapter", "AttentionCall", "Consumer"]
@@ -74,6 +74,26 @@ class AttentionCall:
     logits: Tensor | None = None
     head_offset: int = 0
     num_heads: int | None = None
+
+    def logits_of_qk(self, support: Support | None = None) -> QKLogits:
+        """How this call's q and k become logits: the keyword arguments every q/k function takes.
+
+        One rule for every statistic: entropy, mass, max logit and distance
+        are all of the logits the model's softmax receives, ``score_mod``
+        (soft-capping, a flex ``score_mod``) and the support's bias included
+        (``docs/design.md`` §3). ``support``: another subset of keys (mass
+        diagnostics); the call's own by default.
+        """
+        mask = self.support if support is None else support
+        return QKLogits(mask=mask, scale=self.scale, score_mod=self.score_mod)
+
+
+class QKLogits(TypedDict):
+    """Keyword arguments of the q/k functions of :mod:`attn_monitor.functional` for one call."""
+
+    mask: Support
+    scale: float | None
+    score_mod: ScoreMod | None
 
 
 #: ``adapter(module, args, kwargs, output) -> AttentionCall | None``, called by a

@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from attn_monitor.calls import AttentionCall
-from attn_monitor.flex import score_mod_lse_entropy
 from attn_monitor.functional import Method, all_finite, attention_entropy, entropy_from_logits, entropy_from_qk
 from attn_monitor.metric import AttentionEntropy
 from attn_monitor.shared import WarnOnce
@@ -65,11 +64,8 @@ class EntropyUpdate:
                     "sdpa attention, for the pre-dropout distribution.",
                 )
                 sample = sample & ~stranded
-        elif call.q is not None and call.k is not None and call.score_mod is not None:
-            scale = 1.0 / math.sqrt(call.q.shape[-1]) if call.scale is None else call.scale
-            _, entropy = score_mod_lse_entropy(call.q, call.k, call.support, scale, call.score_mod)
         elif call.q is not None and call.k is not None:
-            entropy = entropy_from_qk(call.q, call.k, mask=call.support, scale=call.scale, method=self.method)
+            entropy = entropy_from_qk(call.q, call.k, method=self.method, **call.logits_of_qk())
         else:
             raise ValueError(f"An AttentionCall of {call.layer!r} holds neither q and k nor probabilities.")
         if reached is not None:

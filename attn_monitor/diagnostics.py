@@ -21,14 +21,12 @@ summed from the probabilities of modules that return them:
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 from attn_monitor.calls import AttentionCall
-from attn_monitor.flex import score_mod_lse_entropy
 from attn_monitor.functional import attention_lse, mass_fraction, restrict_to_support
 from attn_monitor.masks import Support, leading_keys
 from attn_monitor.metric import AttentionMass
@@ -159,10 +157,7 @@ class _MassOf:
 
     def _lse(self, support: Support) -> Tensor:
         call = self.call
-        if call.score_mod is not None:  # a flex score_mod or soft-capping: the exact chunked pass
-            scale = 1.0 / math.sqrt(call.q.shape[-1]) if call.scale is None else call.scale  # type: ignore[union-attr]
-            return score_mod_lse_entropy(call.q, call.k, support, scale, call.score_mod)[0]  # type: ignore[arg-type]
-        return attention_lse(call.q, call.k, mask=support, scale=call.scale, method=self.method)  # type: ignore[arg-type]
+        return attention_lse(call.q, call.k, method=self.method, **call.logits_of_qk(support))  # type: ignore[arg-type]
 
     def __call__(self, subset: Support) -> Tensor:
         if self.call.probs is None:

@@ -1,4 +1,4 @@
-"""FlexAttention: the support of a block mask and the entropy of a ``score_mod``.
+"""FlexAttention: the support of a block mask, and its ``score_mod``.
 
 ``torch.nn.attention.flex_attention.flex_attention`` runs as a higher-order
 operator that a ``TorchFunctionMode`` sees with its real arguments: q, k, v,
@@ -10,31 +10,24 @@ into what entropy needs:
   block mask's full blocks, and keys of its partial blocks where ``mask_mod``
   says True, evaluated over query blocks (no score is computed). Valid-key
   counts come from it exactly.
-* :func:`score_mod_lse_entropy`: the exact logsumexp and entropy of
-  ``softmax(score_mod(scale * q k^T))`` over a support, over query blocks
-  under a memory budget. ``score_mod`` and ``mask_mod`` are evaluated the way
-  flex evaluates them: vmapped over (batch, head, query, key) indices.
-
-Without a ``score_mod`` the q/k path of :func:`~attn_monitor.functional.entropy_from_qk`
-applies unchanged.
+* :func:`read_flex_call`: q, k, scale, that support and the ``score_mod``
+  of one call, which every q/k function of :mod:`attn_monitor.functional`
+  takes (its exact path evaluates a ``score_mod`` as flex does: vmapped
+  over (batch, head, query, key) indices; ``mask_mod`` is evaluated so here).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from attn_monitor.functional import DEFAULT_MEMORY_BUDGET, entropy_from_logits
+from attn_monitor.functional import DEFAULT_MEMORY_BUDGET, ScoreMod, logit_scale, over_indices
 from attn_monitor.masks import Support
 
-__all__ = ["ScoreMod", "block_mask_support", "is_flex_attention", "read_flex_call", "score_mod_lse_entropy", "softcap"]
-
-#: ``score_mod(score, batch, head, q_idx, kv_idx) -> score``, FlexAttention's convention.
-ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+__all__ = ["ScoreMod", "block_mask_support", "is_flex_attention", "read_flex_call", "softcap"]
 
 
 def is_flex_attention(func: object) -> bool:
@@ -52,15 +45,6 @@ def _is_identity(score_mod: object) -> bool:
     return getattr(score_mod, "__name__", None) == "_identity" and getattr(score_mod, "__module__", "").startswith(
         "torch.nn.attention"
     )
-
-
-def _over_indices(fn: Callable[..., Tensor], with_score: bool, extra: Sequence[Any]) -> Callable[..., Tensor]:
-    """``fn`` vmapped over (batch, head, query, key) indices, as flex's own ``create_mask`` does."""
-    prefix = (0,) if with_score else ()
-    suffix = (None,) * len(extra)
-    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
-        fn = torch.vmap(fn, in_dims=prefix + dims + suffix)
-    return fn
 
 
 def _block_grid(num_blocks: Tensor, indices: Tensor, num_key_blocks: int) -> Tensor:
@@ -116,7 +100,7 @@ def block_mask_support(
     partial = _block_grid(kv_num_blocks, kv_indices, num_key_blocks)
     full = None if full_num_blocks is None else _block_grid(full_num_blocks, full_indices, num_key_blocks)
     device = kv_indices.device
-    evaluate = _over_indices(mask_mod, False, mask_mod_buffers)
+    evaluate = over_indices(mask_mod, False, mask_mod_buffers)
     b_idx, h_idx = torch.arange(batch, device=device), torch.arange(heads, device=device)
     kv_idx = torch.arange(num_keys, device=device)
     key_blocks = (kv_idx // kv_block).clamp(max=num_key_blocks - 1)
@@ -163,71 +147,6 @@ def softcap(cap: float) -> ScoreMod:
     return capped
 
 
-def score_mod_lse_entropy(
-    q: Tensor,
-    k: Tensor,
-    support: Support,
-    scale: float,
-    score_mod: ScoreMod,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
-) -> tuple[Tensor, Tensor]:
-    """Exact (logsumexp, entropy in nats) of ``softmax(score_mod(scale * q k^T))`` over a support.
-
-    Query blocks under ``memory_budget`` bytes; ``score_mod`` is vmapped over
-    (batch, head, query, key) like FlexAttention evaluates it, so any
-    ``score_mod`` flex accepts works here.
-
-    Args:
-        q: (batch, heads, seq_q, head_dim).
-        k: (batch, kv_heads, seq_k, head_dim); query head h uses key head
-            ``h // (heads // kv_heads)``.
-        support: the keys each query may see.
-        scale: logit scale before ``score_mod``.
-        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``.
-        memory_budget: bytes of one block of scores.
-
-    Returns:
-        (batch, heads, seq_q) logsumexp (``-inf`` where no key is visible) and
-        entropy (NaN there), float32 (float64 for float64 input).
-
-    Example:
-        >>> q, k = torch.zeros(1, 1, 2, 4), torch.randn(1, 1, 2, 4)
-        >>> lse, entropy = score_mod_lse_entropy(q, k, Support(2, causal=True), 0.5, softcap(5.0))
-        >>> entropy.exp()  # equal logits: uniform over 1 and 2 keys
-        tensor([[[1., 2.]]])
-    """
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q, k = q.to(dtype), k.to(dtype)
-    batch, heads, num_q, _ = q.shape
-    if k.shape[1] != heads:
-        k = k.repeat_interleave(heads // k.shape[1], dim=1)
-    num_k = k.shape[2]
-    evaluate = _over_indices(score_mod, True, ())
-    device = q.device
-    b_idx, h_idx = torch.arange(batch, device=device), torch.arange(heads, device=device)
-    # scores, the modified scores, probabilities and their entropy terms.
-    rows = max(1, min(num_q, memory_budget // max(1, 4 * batch * heads * num_k * q.element_size())))
-    lse = q.new_full((batch, heads, num_q), -math.inf)
-    entropy = q.new_full((batch, heads, num_q), math.nan)
-    for start in range(0, num_q, rows):
-        stop = min(num_q, start + rows)
-        k_start, k_stop = support.key_range(start, stop)
-        if k_stop == k_start:
-            continue
-        scores = (q[:, :, start:stop] * scale) @ k[:, :, k_start:k_stop].transpose(-1, -2)
-        q_idx = torch.arange(start, stop, device=device)
-        kv_idx = torch.arange(k_start, k_stop, device=device)
-        scores = evaluate(scores, b_idx, h_idx, q_idx, kv_idx).to(dtype)
-        if support.bias is not None:
-            scores = scores + support.bias[..., start:stop, k_start:k_stop].to(dtype)
-        visible = support.block(start, stop, k_start, k_stop)
-        if visible is not None:
-            scores = scores.masked_fill(~visible, -math.inf)
-        lse[:, :, start:stop] = scores.logsumexp(-1)
-        entropy[:, :, start:stop] = entropy_from_logits(scores)
-    return lse, entropy
-
-
 def read_flex_call(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, float, Support, ScoreMod | None]:
     """q, k, scale, support and score_mod (None when absent) of one FlexAttention operator call.
 
@@ -247,7 +166,7 @@ def read_flex_call(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, float, Su
         raise ValueError(f"Expected a flex_attention call with 4-dim query and key, got {tuple(bound)}.")
     q, k = q.detach(), k.detach()
     scale = bound.get("scale")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = logit_scale(scale, q.shape[-1])
     support = block_mask_support(
         bound["block_mask"], q.shape[0], q.shape[1], q.shape[2], k.shape[2], tuple(bound.get("mask_buf") or ())
     )

@@ -27,7 +27,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -54,12 +54,22 @@ __all__ = [
 
 Method = Literal["auto", "fused", "chunked"]
 
+#: ``score_mod(score, b, h, q_idx, kv_idx) -> score``: FlexAttention's logit
+#: modifier (ALiBi, soft-capping, ...), applied to the scaled logits before
+#: the additive mask and the softmax.
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
 #: Default working memory for one block of scores in the chunked path.
 DEFAULT_MEMORY_BUDGET = 64 * 2**20
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def logit_scale(scale: float | None, head_dim: int) -> float:
+    """The logit scale a call uses: ``scale``, or attention's default ``1 / sqrt(head_dim)``."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
 def _check_4d(name: str, value: object, layout: str) -> Tensor:
@@ -275,10 +285,11 @@ def _as_support(mask: Tensor | Support | None, is_causal: bool, num_queries: int
 #: Query rows per kernel call when a window or packed documents hide whole key blocks.
 QUERY_BLOCK = 256
 
-#: Above this |logsumexp| the float32 identity ``lse - <q, out>`` subtracts two
-#: numbers so large that their rounding (~6e-8 relative each) nears 1e-4 nats:
-#: the call is redone in float64.
-LARGE_LOGIT = 128.0
+#: Above this |logsumexp| float32 logits carry more than ~4e-6 of rounding each
+#: (6e-8 relative): the identity ``lse - <q, out>`` would subtract two numbers
+#: that large, and softmax weights would lose the digits the mean distance
+#: reads. Every path redoes such a call or block in float64.
+LARGE_LOGIT = 64.0
 
 #: One fused kernel call: query rows, key columns, additive mask (broadcastable
 #: to (B, H, rows, columns)) or None, causal flag (top-left aligned).
@@ -394,40 +405,22 @@ def _run_kernel(
     return out, lse
 
 
-def _chunked_pass(q: Tensor, k: Tensor, support: Support, scale: float, memory_budget: int) -> tuple[Tensor, Tensor]:
-    """Exact (logsumexp, entropy) over query blocks; key blocks the structure hides are skipped.
-
-    A block whose logits are large (``LARGE_LOGIT``) is redone in float64:
-    float32 logits of ~1e4 carry ~1e-3 of rounding each.
-    """
-    batch, heads, num_q, _ = q.shape
-    if k.shape[1] != heads:
-        k = k.repeat_interleave(heads // k.shape[1], dim=1)
-    num_k = k.shape[2]
-    # scores, probabilities and their entropy terms are alive at once.
-    bytes_per_row = 3 * batch * heads * num_k * q.element_size()
-    block = max(1, min(num_q, memory_budget // max(1, bytes_per_row)))
-    lse = q.new_full((batch, heads, num_q), -math.inf)
-    entropy = q.new_full((batch, heads, num_q), math.nan)
-    for q_start, q_stop, k_start, k_stop in support.key_blocks(block):
-        if k_stop == k_start:
-            continue
-        block_lse, block_entropy = _block_entropy(q, k, support, scale, (q_start, q_stop, k_start, k_stop), q.dtype)
-        if q.dtype != torch.float64 and _is_large(block_lse):
-            block_lse, block_entropy = _block_entropy(
-                q, k, support, scale, (q_start, q_stop, k_start, k_stop), torch.float64
-            )
-        lse[:, :, q_start:q_stop] = block_lse
-        entropy[:, :, q_start:q_stop] = block_entropy
-    return lse, entropy
-
-
-def _block_entropy(
-    q: Tensor, k: Tensor, support: Support, scale: float, bounds: tuple[int, int, int, int], dtype: torch.dtype
+def _chunked_pass(
+    q: Tensor, k: Tensor, support: Support, scale: float, memory_budget: int, score_mod: ScoreMod | None = None
 ) -> tuple[Tensor, Tensor]:
-    q_start, q_stop, k_start, k_stop = bounds
-    scores = _block_scores(q, k, support, scale, (q_start, q_stop), (k_start, k_stop), dtype)
-    return scores.logsumexp(-1), _logits_entropy(scores, None)
+    """Exact (logsumexp, entropy) over query blocks; ``-inf`` and NaN where no key is visible."""
+
+    def lse_and_entropy(scores: Tensor, _: int, __: int, rescore: Rescore) -> tuple[Tensor, ...]:
+        lse = scores.logsumexp(-1)
+        if scores.dtype != torch.float64 and _is_large(lse):
+            scores = rescore(torch.float64)
+            lse = scores.logsumexp(-1)
+        return lse, _logits_entropy(scores, None)
+
+    lse, entropy = _over_query_blocks(
+        q, k, support, scale, memory_budget, lse_and_entropy, fills=(-math.inf, math.nan), score_mod=score_mod
+    )
+    return lse, entropy
 
 
 def _is_large(lse: Tensor) -> bool:
@@ -448,11 +441,12 @@ def entropy_from_qk(
     mask: Tensor | Support | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    score_mod: ScoreMod | None = None,
     normalize: bool = False,
     method: Method = "auto",
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> Tensor:
-    """Entropy of ``softmax(scale * q k^T + mask)`` per query, without the matrix.
+    """Entropy of ``softmax(score_mod(scale * q k^T) + mask)`` per query, without the matrix.
 
     Uses ``H = lse(s) - sum_i p_i s_i`` and ``sum_i p_i s_i = scale * <q,
     Attn(q, K, V=K)>`` (DESIGN.md §2): one fused attention call that also
@@ -471,6 +465,10 @@ def entropy_from_qk(
         is_causal: causal mask, top-left aligned as in SDPA (query i sees
             keys j <= i, also when seq_q != seq_k).
         scale: logit scale; defaults to ``1 / sqrt(head_dim)``.
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``
+            applied to the scaled logits (vmapped over the indices as flex
+            does, so any ``score_mod`` flex accepts works); such calls take
+            the exact chunked path.
         normalize: divide by ``ln(number of valid keys)``.
         method: ``"fused"``, ``"chunked"`` or ``"auto"`` (fused when it
             applies, chunked otherwise).
@@ -492,9 +490,9 @@ def entropy_from_qk(
         >>> entropy_from_qk(q, torch.randn(1, 1, 3, 4), is_causal=True, normalize=True)
         tensor([[[nan, 1., 1.]]])
     """
-    _check_qk_values(q, k, mask, scale)
+    _check_qk_values(q, k, mask, scale, score_mod)
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, method, memory_budget)
-    _, entropy = _qk_pass(q, k, support, scale, method, memory_budget)
+    _, entropy = _qk_pass(q, k, support, scale, method, memory_budget, score_mod)
     return _finish(entropy, support.num_valid(), normalize, support.log_num_valid(entropy.dtype, entropy.device))
 
 
@@ -505,18 +503,19 @@ def attention_lse(
     mask: Tensor | Support | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    score_mod: ScoreMod | None = None,
     method: Method = "auto",
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> Tensor:
-    """Logsumexp of ``scale * q k^T`` over each query's support, without the matrix.
+    """Logsumexp of the logits ``score_mod(scale * q k^T) + mask`` over each query's support, without the matrix.
 
     The building block of the mass diagnostics (DESIGN.md §2): the attention
     mass a query puts on a subset X of its support is
     ``exp(lse_X - lse_all)`` (see :func:`mass_fraction`).
 
     Args:
-        q, k, mask, is_causal, scale, method, memory_budget: as in
-            :func:`entropy_from_qk`.
+        q, k, mask, is_causal, scale, score_mod, method, memory_budget: as
+            in :func:`entropy_from_qk`.
 
     Returns:
         (batch, heads, seq_q) logsumexp, float32 (float64 for float64 input);
@@ -530,9 +529,9 @@ def attention_lse(
         >>> attention_lse(q, torch.randn(1, 1, 2, 4), is_causal=True).exp()
         tensor([[[1., 2.]]])
     """
-    _check_qk_values(q, k, mask, scale)
+    _check_qk_values(q, k, mask, scale, score_mod)
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, method, memory_budget)
-    lse, _ = _qk_pass(q, k, support, scale, method, memory_budget)
+    lse, _ = _qk_pass(q, k, support, scale, method, memory_budget, score_mod)
     if support.may_hide_every_key:
         # The fused kernels return lse 0 for rows with no visible key.
         lse = lse.masked_fill(support.num_valid().to(lse.device) == 0, -math.inf)
@@ -724,22 +723,30 @@ def _prepare_qk(
         raise ValueError(
             f"Expected `mask` with 1 or {q.shape[1]} heads (the heads of `q`), got shape {tuple(support.mask.shape)}."
         )
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = logit_scale(scale, q.shape[-1])
     dtype = _compute_dtype(q.dtype)
     return support, q.to(dtype), k.to(dtype), scale
 
 
 def _qk_pass(
-    q: Tensor, k: Tensor, support: Support, scale: float, method: str, memory_budget: int
+    q: Tensor,
+    k: Tensor,
+    support: Support,
+    scale: float,
+    method: str,
+    memory_budget: int,
+    score_mod: ScoreMod | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(logsumexp, entropy in nats) per query, by the fused path where it applies.
 
     Where a query sees no key the logsumexp is -inf from the chunked path and 0 from the fused kernels.
     """
     if method != "chunked":
-        if support.bias is not None:
+        if support.bias is not None or score_mod is not None:
             if method == "fused":
-                raise ValueError("`method='fused'` cannot take an additive bias in `mask`; use 'chunked' or 'auto'.")
+                raise ValueError(
+                    "`method='fused'` cannot take an additive bias in `mask` or a `score_mod`; use 'chunked' or 'auto'."
+                )
         else:
             try:
                 fused = _fused_entropy(q, k, support, scale, memory_budget)
@@ -758,7 +765,7 @@ def _qk_pass(
                 return fused
             if method == "fused":
                 raise ValueError(f"`method='fused'` has no kernel on device {q.device.type}; use 'chunked' or 'auto'.")
-    return _chunked_pass(q, k, support, scale, memory_budget)
+    return _chunked_pass(q, k, support, scale, memory_budget, score_mod)
 
 
 def _fused_entropy(
@@ -857,12 +864,14 @@ def all_finite(value: Tensor) -> bool:
     return bool(torch.isfinite(value).all())
 
 
-def _check_qk_values(q: object, k: object, mask: object, scale: object) -> None:
+def _check_qk_values(q: object, k: object, mask: object, scale: object, score_mod: object = None) -> None:
     """Reject what would silently turn into NaN inside a kernel: non-finite q, k or scale (the bias: _prepare_qk).
 
     One reduction per tensor.
     """
     q, k = _check_qk(q, k)
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"Expected `score_mod` to be callable or None, got {type(score_mod).__name__}.")
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"Expected `scale` to be a real number or None, got {type(scale).__name__}.")
@@ -926,9 +935,20 @@ def restrict_to_support(attn: Tensor, mask: Tensor | None = None) -> tuple[Tenso
 
 # --------------------------------------------------------------------------- max logit and distance
 
-#: Above this |logit| the distance path scores a block again in float64: a float32
-#: logit of that size is off by more than 1e-5, and softmax weights with it.
-_EXACT_SCORES_ABOVE = 64.0
+#: ``rescore(dtype)``: the scores of the block being reduced, computed again in ``dtype``.
+Rescore = Callable[[torch.dtype], Tensor]
+
+#: ``reduce(scores, q_start, k_start, rescore)``: per-query values of one block of scores.
+BlockReduce = Callable[[Tensor, int, int, Rescore], tuple[Tensor, ...]]
+
+
+def over_indices(fn: Callable[..., Tensor], with_score: bool, extra: Sequence[Any] = ()) -> Callable[..., Tensor]:
+    """``fn`` vmapped over (batch, head, query, key) indices, as FlexAttention evaluates its mods."""
+    prefix = (0,) if with_score else ()
+    suffix = (None,) * len(extra)
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        fn = torch.vmap(fn, in_dims=prefix + dims + suffix)
+    return fn
 
 
 def _block_scores(
@@ -939,13 +959,24 @@ def _block_scores(
     rows: tuple[int, int],
     keys: tuple[int, int],
     dtype: torch.dtype,
+    score_mod: ScoreMod | None = None,
 ) -> Tensor:
-    """``scale * q k^T`` (+ bias, hidden keys ``-inf``) of one block, in ``dtype``; GQA keys broadcast, not copied."""
+    """The logits one block of queries gives its keys, in ``dtype``: what the softmax receives.
+
+    ``scale * q k^T``, then ``score_mod`` (evaluated over the block's indices),
+    then the support's additive bias; hidden keys ``-inf``. GQA keys are
+    broadcast, not copied.
+    """
     (q_start, q_stop), (k_start, k_stop) = rows, keys
     batch, heads, _, dim = q.shape
     kv_heads = k.shape[1]
     queries = (q[:, :, q_start:q_stop].to(dtype) * scale).reshape(batch, kv_heads, heads // kv_heads, -1, dim)
     scores = (queries @ k[:, :, None, k_start:k_stop].to(dtype).transpose(-1, -2)).flatten(1, 2)
+    if score_mod is not None:
+        device = scores.device
+        indices = (torch.arange(batch, device=device), torch.arange(heads, device=device))
+        positions = (torch.arange(q_start, q_stop, device=device), torch.arange(k_start, k_stop, device=device))
+        scores = over_indices(score_mod, True)(scores, *indices, *positions).to(dtype)
     bias = support.bias_block(q_start, q_stop, k_start, k_stop)
     if bias is not None:
         scores = scores + bias.to(scores.device, dtype)
@@ -953,33 +984,40 @@ def _block_scores(
     return scores if visible is None else scores.masked_fill(~visible.to(scores.device), -math.inf)
 
 
-def _query_blocks(
+def _over_query_blocks(
     q: Tensor,
     k: Tensor,
     support: Support,
     scale: float,
     memory_budget: int,
-    reduce: Callable[[Tensor, int, int, Callable[[torch.dtype], Tensor]], Tensor],
-) -> Tensor:
-    """``reduce(scores, q_start, k_start, rescore)`` of each query block, NaN where no key is visible.
+    reduce: BlockReduce,
+    *,
+    fills: tuple[float, ...] = (math.nan,),
+    score_mod: ScoreMod | None = None,
+) -> list[Tensor]:
+    """Per-query values of every query block: the one loop of the exact paths.
 
-    Scores are those of :func:`_block_scores` over the key range the
-    structure leaves visible to the block; ``rescore(dtype)`` computes them
-    again in ``dtype``.
+    Blocks hold at most ``memory_budget`` bytes of scores; key ranges the
+    structure hides from a whole block are skipped (O(B H N D) memory).
+    ``reduce`` gets each block's scores (:func:`_block_scores`) and returns
+    one (batch, heads, rows) tensor per entry of ``fills``, the value of
+    queries with no visible key.
     """
     batch, heads, num_q, _ = q.shape
-    # scores, weights and one more block-sized temporary are alive at once.
-    bytes_per_row = 3 * batch * heads * k.shape[2] * q.element_size()
+    # scores, weights and one more block-sized temporary are alive at once (one more for a score_mod).
+    bytes_per_row = (3 if score_mod is None else 4) * batch * heads * k.shape[2] * q.element_size()
     block = max(1, min(num_q, memory_budget // max(1, bytes_per_row)))
-    out = q.new_full((batch, heads, num_q), math.nan)
-    for q_start in range(0, num_q, block):
-        q_stop = min(num_q, q_start + block)
-        k_start, k_stop = support.key_range(q_start, q_stop)
+    outputs = [q.new_full((batch, heads, num_q), fill) for fill in fills]
+    for q_start, q_stop, k_start, k_stop in support.key_blocks(block):
         if k_stop == k_start:
             continue
-        rescore = functools.partial(_block_scores, q, k, support, scale, (q_start, q_stop), (k_start, k_stop))
-        out[:, :, q_start:q_stop] = reduce(rescore(q.dtype), q_start, k_start, rescore)
-    return out.masked_fill(support.num_valid().to(out.device) == 0, math.nan)
+        rescore = functools.partial(
+            _block_scores, q, k, support, scale, (q_start, q_stop), (k_start, k_stop), score_mod=score_mod
+        )
+        for output, value in zip(outputs, reduce(rescore(q.dtype), q_start, k_start, rescore), strict=True):
+            output[:, :, q_start:q_stop] = value
+    empty = support.num_valid().to(q.device) == 0
+    return [output.masked_fill(empty, fill) for output, fill in zip(outputs, fills, strict=True)]
 
 
 def attention_max_logit(
@@ -989,6 +1027,7 @@ def attention_max_logit(
     mask: Tensor | Support | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    score_mod: ScoreMod | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> Tensor:
     """Largest attention logit each query gives a visible key, without the matrix.
@@ -1004,9 +1043,10 @@ def attention_max_logit(
     keeps float32's relative precision.
 
     Args:
-        q, k, mask, is_causal, scale, memory_budget: as in
+        q, k, mask, is_causal, scale, score_mod, memory_budget: as in
             :func:`entropy_from_qk` (GQA keys allowed; an additive float
-            ``mask`` adds its bias to the logits).
+            ``mask`` adds its bias to the logits; with a ``score_mod`` the
+            logit is the modified one, what the softmax receives).
 
     Returns:
         (batch, heads, seq_q) maximum logits, float32 (float64 for float64
@@ -1023,13 +1063,15 @@ def attention_max_logit(
         >>> attention_max_logit(q, k, mask=torch.zeros(3, 3, dtype=torch.bool))
         tensor([[[nan, nan, nan]]])
     """
-    _check_qk_values(q, k, mask, scale)
+    _check_qk_values(q, k, mask, scale, score_mod)
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, "chunked", memory_budget)
 
-    def exact_max(scores: Tensor, q_start: int, k_start: int, _: object) -> Tensor:
-        return _logit_at_argmax(q, k, support, scale, scores, q_start, k_start)
+    def exact_max(scores: Tensor, q_start: int, k_start: int, rescore: Rescore) -> tuple[Tensor, ...]:
+        if score_mod is not None:  # the modified logits, all of the block's in float64
+            return (rescore(torch.float64).amax(-1),)
+        return (_logit_at_argmax(q, k, support, scale, scores, q_start, k_start),)
 
-    return _query_blocks(q, k, support, scale, memory_budget, exact_max)
+    return _over_query_blocks(q, k, support, scale, memory_budget, exact_max, score_mod=score_mod)[0]
 
 
 def _logit_at_argmax(
@@ -1054,17 +1096,16 @@ def _logit_at_argmax(
     return torch.where(scores.amax(-1) == -math.inf, -math.inf, logit)
 
 
-def _block_distance(scores: Tensor, q_start: int, k_start: int, rescore: Callable[[torch.dtype], Tensor]) -> Tensor:
+def _block_distance(scores: Tensor, q_start: int, k_start: int, rescore: Rescore) -> tuple[Tensor, ...]:
     """E|i - j| under softmax(scores) for one query block; exact float64 scores where logits are large."""
-    finite = scores.masked_fill(scores == -math.inf, 0.0)
-    if scores.dtype != torch.float64 and finite.numel() and float(finite.abs().amax()) > _EXACT_SCORES_ABOVE:
+    if scores.dtype != torch.float64 and _is_large(scores.logsumexp(-1)):
         # Large logits: float32 scores lose the digits softmax weights depend on.
         scores = rescore(torch.float64)
     rows = torch.arange(q_start, q_start + scores.shape[-2], device=scores.device, dtype=scores.dtype)
     cols = torch.arange(k_start, k_start + scores.shape[-1], device=scores.device, dtype=scores.dtype)
     distance = (rows[:, None] - cols[None, :]).abs()
     weights = scores.softmax(-1)
-    return (weights * distance).sum(-1)
+    return ((weights * distance).sum(-1),)
 
 
 def attention_distance(
@@ -1074,6 +1115,7 @@ def attention_distance(
     mask: Tensor | Support | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    score_mod: ScoreMod | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> Tensor:
     """Mean attention distance of each query: ``E|i - j|`` under its attention distribution.
@@ -1095,7 +1137,8 @@ def attention_distance(
     Args:
         q: (batch, heads, seq, head_dim) queries.
         k: (batch, kv_heads, seq, head_dim) keys, as many positions as ``q``.
-        mask, is_causal, scale, memory_budget: as in :func:`entropy_from_qk`.
+        mask, is_causal, scale, score_mod, memory_budget: as in
+            :func:`entropy_from_qk`.
 
     Returns:
         (batch, heads, seq) mean distance in positions, float32 (float64 for
@@ -1112,17 +1155,17 @@ def attention_distance(
         >>> attention_distance(q, torch.randn(1, 1, 4, 2))  # uniform over all 4 keys
         tensor([[[1.5000, 1.0000, 1.0000, 1.5000]]])
     """
-    _check_qk_values(q, k, mask, scale)
+    _check_qk_values(q, k, mask, scale, score_mod)
     if q.shape[2] != k.shape[2]:
         raise ValueError(
             f"Expected `q` and `k` with one sequence length (self-attention), got {q.shape[2]} queries "
             f"and {k.shape[2]} keys."
         )
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, "chunked", memory_budget)
-    fused = _causal_distance(q, k, support, scale)
+    fused = None if score_mod is not None else _causal_distance(q, k, support, scale)
     if fused is not None:
         return fused
-    return _query_blocks(q, k, support, scale, memory_budget, _block_distance)
+    return _over_query_blocks(q, k, support, scale, memory_budget, _block_distance, score_mod=score_mod)[0]
 
 
 def _causal_distance(q: Tensor, k: Tensor, support: Support, scale: float) -> Tensor | None:
@@ -1143,7 +1186,7 @@ def _causal_distance(q: Tensor, k: Tensor, support: Support, scale: float) -> Te
     ):
         return None
     bound = abs(scale) * float(q.norm(dim=-1).amax()) * float(k.norm(dim=-1).amax())
-    if bound > _EXACT_SCORES_ABOVE:
+    if bound > LARGE_LOGIT:
         return None
     batch, heads, length, dim = q.shape
     if k.shape[1] != heads:

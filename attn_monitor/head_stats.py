@@ -367,9 +367,9 @@ class StatisticsUpdate:
                 sample = sample & ~values["distance"].isnan()
         elif call.q is not None and call.k is not None:
             if self.max_logit:
-                values["max_logit"] = attention_max_logit(call.q, call.k, mask=support, scale=call.scale)
+                values["max_logit"] = attention_max_logit(call.q, call.k, **call.logits_of_qk())
             if self.distance and self_attention:
-                values["distance"] = attention_distance(call.q, call.k, mask=support, scale=call.scale)
+                values["distance"] = attention_distance(call.q, call.k, **call.logits_of_qk())
         else:
             raise ValueError(f"An AttentionCall of {layer!r} holds neither q and k nor probabilities.")
         if not values:

@@ -31,7 +31,6 @@ capture names the layer and skips it).
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from attn_monitor.flex import ScoreMod, block_mask_support, softcap
+from attn_monitor.functional import logit_scale
 from attn_monitor.masks import Support
 
 __all__ = ["InterfaceListener", "listening", "read_interface_call"]
@@ -210,7 +210,7 @@ def read_interface_call(
     q, k = query.detach(), key.detach()
     num_q, num_k = q.shape[2], k.shape[2]
     scaling = kwargs.get("scaling")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scaling is None else float(scaling)
+    scale = logit_scale(scaling, q.shape[-1])
     cap = kwargs.get("softcap")
     score_mod = softcap(float(cap)) if cap else None
     window = kwargs.get("sliding_window")

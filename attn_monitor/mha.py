@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attn_monitor.calls import AttentionCall
+from attn_monitor.functional import logit_scale
 from attn_monitor.masks import Support
 
 __all__ = ["MHA_ARGS", "mha_call"]
@@ -61,7 +62,7 @@ def mha_call(layer: str, bound: dict[str, Any]) -> AttentionCall | None:
     causal = bool(bound.get("is_causal")) and attn_mask is None
     mask = None if additive.numel() == 1 and not additive.any() else additive
     support = Support(num_q, num_k, causal=causal, mask=mask)
-    return AttentionCall(layer=layer, support=support, q=q, k=k, scale=1.0 / math.sqrt(head_dim))
+    return AttentionCall(layer=layer, support=support, q=q, k=k, scale=logit_scale(None, head_dim))
 
 
 def _additive(mask: Tensor) -> Tensor:

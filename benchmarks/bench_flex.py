@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from attn_monitor import AttentionCapture, entropy_from_qk
-from attn_monitor.flex import read_flex_call, score_mod_lse_entropy
+from attn_monitor.flex import read_flex_call
 
 BATCH, HEADS, HEAD_DIM, DOCUMENTS = 2, 8, 64, 4
 SLOPES = 2.0 ** -torch.arange(1, HEADS + 1, dtype=torch.float32)
@@ -100,10 +100,7 @@ def max_error(n: int, name: str) -> float:
     with Spy():
         flex_attention(q, k, k, score_mod=score_mod, block_mask=block_mask)
     q32, k32, scale, support, mod = read_flex_call(seen[0], {})
-    if mod is None:
-        entropy = entropy_from_qk(q32, k32, mask=support, scale=scale)
-    else:
-        entropy = score_mod_lse_entropy(q32, k32, support, scale, mod)[1]
+    entropy = entropy_from_qk(q32, k32, mask=support, scale=scale, score_mod=mod)
     # float64 dense reference, written out apart from the library.
     scores = (q.double() @ k.double().transpose(-1, -2)) * scale
     rows, cols = torch.arange(n, dtype=torch.float64)[:, None], torch.arange(n, dtype=torch.float64)[None, :]

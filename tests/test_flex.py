@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from attn_monitor.capture import AttentionCapture
 from attn_monitor.diagnostics import MassDiagnostics
 from attn_monitor.flex import block_mask_support
+from attn_monitor.head_stats import StatisticsUpdate
 from tests import reference
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
@@ -260,3 +261,49 @@ def test_block_mask_support_per_head_and_batch_masks() -> None:
                     window = 3 + 4 * h if i >= 30 else 64
                     expected[b, h, i, j] = j <= i and i - j < window and j >= b
     assert support.num_valid().expand(BATCH, HEADS, SEQ).tolist() == reference.num_valid(expected).tolist()
+
+
+@pytest.mark.parametrize("case", ["alibi", "softcap", "document-softcap"])
+def test_max_logit_and_distance_read_the_modified_logits(case: str) -> None:
+    """Every statistic is of the logits the softmax receives: the ``score_mod`` included.
+
+    Per head, the max logit and the mean attention distance of a flex call
+    with an ALiBi or soft-capping ``score_mod`` against the float64 reference
+    written from the documented modification; reading the plain
+    ``scale * q k^T`` instead (the statistics before they honoured
+    ``score_mod``) fails here: soft-capped logits stay below the cap.
+    """
+    model = FlexLM().eval()
+    ids = torch.randint(0, 50, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    update = StatisticsUpdate()
+    inputs: dict[str, Tensor] = {}
+    hook = model.layers[0].register_forward_pre_hook(lambda module, args: inputs.__setitem__("x", args[0]))
+    with torch.no_grad(), AttentionCapture(model, layers=["layers.0"]) as capture:
+        with capture.recording(consumers=[update]):
+            mask_mod, per_batch, score_mod = CASES[case]
+            batch = BATCH if per_batch else None
+            block_mask = flex.create_block_mask(mask_mod, batch, None, SEQ, SEQ, device="cpu", BLOCK_SIZE=BLOCK)
+            model(ids, block_mask, score_mod)
+    hook.remove()
+    layer, x64 = model.layers[0], inputs["x"].double()
+    q = (x64 @ layer.q_proj.weight.double().T).view(BATCH, SEQ, HEADS, -1).transpose(1, 2)
+    k = (x64 @ layer.k_proj.weight.double().T).view(BATCH, SEQ, KV_HEADS, -1).transpose(1, 2)
+    visible = reference_visible(case)
+    scores = reference_scores(case, q, k).masked_fill(~visible, -math.inf)
+    expected_max = scores.amax(dim=(0, 2, 3))
+    positions = torch.arange(SEQ, dtype=torch.float64)
+    offsets = (positions[:, None] - positions[None, :]).abs()
+
+    def head_distance(logits: Tensor) -> Tensor:
+        return (logits.softmax(-1) * offsets).sum(-1).mean(dim=(0, 2))
+
+    expected_distance = head_distance(scores)
+    plain = reference.scores_from_qk(q, k).masked_fill(~visible, -math.inf)
+    # The modification moves both statistics far beyond the tolerance: reading plain logits cannot pass.
+    assert float((head_distance(plain) - expected_distance).abs().max()) > 0.05
+    assert float((plain.amax(dim=(0, 2, 3)) - expected_max).abs().max()) > 0.05
+    summary = update.metric.compute()
+    torch.testing.assert_close(summary.max_logit[0, :HEADS].double(), expected_max, atol=TOL, rtol=0)
+    torch.testing.assert_close(summary.distance[0, :HEADS].double(), expected_distance, atol=1e-3, rtol=0)
+    if case.endswith("softcap"):
+        assert float(summary.max_logit.max()) < CAP
