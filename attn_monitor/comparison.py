@@ -26,7 +26,7 @@ summarised by :class:`~attn_monitor.metric.AttentionEntropy`, saved with
 (slots past a layer's own heads are zero). Readers ignore keys they do not
 know; a change that old readers cannot ignore gets a new version number.
 
-**What a comparison means** (DESIGN.md §4). Entropy describes the shape of
+**What a comparison means** (docs/design.md §4). Entropy describes the shape of
 attention weights only: a shift tells you which layers and heads changed
 how concentrated they are, not whether the model got better, and equal
 entropy can hide mass moving between positions. Compare like with like: the

@@ -1,7 +1,7 @@
 """Mass diagnostics beyond entropy: attention sinks, KV-eviction coverage, cross-document leakage.
 
 Each is the attention mass a query puts on a subset X of its support,
-``exp(lse_X - lse_all)`` (DESIGN.md §2), computed from the captured q and k
+``exp(lse_X - lse_all)`` (docs/design.md §2), computed from the captured q and k
 with the same fused logsumexp kernels as entropy (never an N x N matrix), or
 summed from the probabilities of modules that return them:
 

@@ -4,7 +4,7 @@ No state, hooks or logging here.
 
 For one query with attention weights ``p`` over its valid keys (its support),
 ``H(p) = -sum_i p_i ln p_i`` in nats and ``H / ln(n)`` normalised to [0, 1],
-where ``n`` is the number of valid keys (DESIGN.md §2). Everything here
+where ``n`` is the number of valid keys (docs/design.md §2). Everything here
 accumulates in float32 at least, whatever the input dtype.
 
 Rules shared by every function:
@@ -449,7 +449,7 @@ def entropy_from_qk(
     """Entropy of ``softmax(score_mod(scale * q k^T) + mask)`` per query, without the matrix.
 
     Uses ``H = lse(s) - sum_i p_i s_i`` and ``sum_i p_i s_i = scale * <q,
-    Attn(q, K, V=K)>`` (DESIGN.md §2): one fused attention call that also
+    Attn(q, K, V=K)>`` (docs/design.md §2): one fused attention call that also
     returns the logsumexp gives every query's entropy in O(B H N D) memory.
     The exact chunked path (query blocks under ``memory_budget`` bytes) takes
     what the fused kernels cannot: additive biases, devices without a kernel.
@@ -509,7 +509,7 @@ def attention_lse(
 ) -> Tensor:
     """Logsumexp of the logits ``score_mod(scale * q k^T) + mask`` over each query's support, without the matrix.
 
-    The building block of the mass diagnostics (DESIGN.md §2): the attention
+    The building block of the mass diagnostics (docs/design.md §2): the attention
     mass a query puts on a subset X of its support is
     ``exp(lse_X - lse_all)`` (see :func:`mass_fraction`).
 
@@ -889,7 +889,7 @@ def restrict_to_support(attn: Tensor, mask: Tensor | None = None) -> tuple[Tenso
     """Attention weights restricted to each query's support and renormalised there.
 
     The one place where probabilities a model returned become a distribution
-    over the valid keys (DESIGN.md §2): masked slots are zeroed, whatever they
+    over the valid keys (docs/design.md §2): masked slots are zeroed, whatever they
     held, and each row is divided by its mass on the support.
 
     Args:

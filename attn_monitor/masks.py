@@ -7,7 +7,7 @@ questions every entropy statistic needs without building an N x N tensor for
 the structured pieces:
 
 * ``num_valid()``: how many keys each query may attend to (closed forms,
-  DESIGN.md §6), and
+  docs/design.md §6), and
 * ``is_sample()``: whether the query counts at all (not a padding query, and
   at least one visible key).
 

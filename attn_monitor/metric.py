@@ -1,7 +1,7 @@
 """Running, DDP-exact distributions of attention statistics, per layer and head.
 
 Every statistic is a fixed-size sufficient statistic per (layer, head) that
-reduces by sum or by max (STYLE.md §2): histogram bin counts, exact sums and
+reduces by sum or by max (docs/design.md §7): histogram bin counts, exact sums and
 counts, per-head maxima. :class:`LayerMetric` keeps all of them in two packed
 float64 states with one row per layer, ``sums`` and ``maxes``, named by a
 layer list. Memory is constant however many tokens are seen; merging batches,

@@ -2,7 +2,7 @@
 
 Nothing here imports attn_monitor. Everything is dense and written for
 clarity, not speed: the support is built cell by cell from the rules in
-DESIGN.md §2 and §6, and each query's entropy is computed from its own list of
+docs/design.md §2 and §6, and each query's entropy is computed from its own list of
 valid keys with Python floats (IEEE float64).
 
 Rules implemented (the library must agree):

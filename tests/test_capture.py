@@ -13,7 +13,7 @@ The reference never imports attn_monitor:
   from the module weights on the inputs a plain forward gives each layer,
   softmax in float64 over the true support.
 
-Pooling (DESIGN.md §2-§3): normalised entropy ``H / ln(n)``, token-weighted
+Pooling (docs/design.md §2-§3): normalised entropy ``H / ln(n)``, token-weighted
 mean per (layer, head) over real (non-padding) queries with ``n > 1``.
 """
 
@@ -856,7 +856,7 @@ def test_torch_compile_aot_eager_backend() -> None:
 
 
 def test_torch_compile_one_graph_per_state() -> None:
-    """Repeated recordings reuse the compiled "recording" graph (DESIGN.md §6: one recompile per on/off state).
+    """Repeated recordings reuse the compiled "recording" graph (docs/design.md §6: one recompile per on/off state).
 
     A recompile per recording costs seconds per batch and, past dynamo's
     recompile limit (8), silently drops the model back to eager execution.

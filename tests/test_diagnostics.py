@@ -1,4 +1,4 @@
-"""Mass diagnostics (DESIGN.md §2): attention-sink mass, KV-eviction coverage, cross-document leakage.
+"""Mass diagnostics (docs/design.md §2): attention-sink mass, KV-eviction coverage, cross-document leakage.
 
 Every number is checked against an independent float64 dense reference
 written here (nothing from attn_monitor in it): the support each query may

@@ -2,7 +2,7 @@
 
 The reference (``_reference`` below) walks every (sequence, head, query) with
 plain loops and numpy float64 and shares no code with attn_monitor: it applies
-the counting rules of DESIGN.md §2-§3 directly. Streaming updates must agree
+the counting rules of docs/design.md §2-§3 directly. Streaming updates must agree
 with it on the concatenated data; quantiles must lie within one bin width of
 the exact empirical quantile (``inverted_cdf``: the smallest value whose
 empirical CDF reaches ``q``, the quantity a cumulative histogram bounds).
