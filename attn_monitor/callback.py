@@ -171,8 +171,11 @@ class AttentionEntropyMonitor(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         sinks = lightning_sinks(trainer.loggers) if trainer.is_global_zero else []
-        if self.save_summaries and trainer.is_global_zero:
-            sinks.append(SummaryArchive(os.path.join(trainer.log_dir or trainer.default_root_dir, "attn_entropy")))
+        if self.save_summaries:
+            # ``trainer.log_dir`` broadcasts rank zero's directory: every rank asks, rank zero saves.
+            log_dir = trainer.log_dir or trainer.default_root_dir
+            if trainer.is_global_zero:
+                sinks.append(SummaryArchive(os.path.join(log_dir, "attn_entropy")))
         self.core.attach(pl_module, sinks, device=pl_module.device, new_run=stage in ("fit", "validate"))
 
     @override

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from attn_monitor import Batches, CollapseAlert, LogOptions
 from attn_monitor.callback import AttentionEntropyMonitor
+from attn_monitor.comparison import load_summary
 from tests import lightning_models as lm
 from tests import models, reference
 
@@ -971,7 +972,7 @@ def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch:
     model = lm.TinyGPT(lr=0.0, seed=5)
     state = copy.deepcopy(model.state_dict())
 
-    monitor = AttentionEntropyMonitor(batches=2, log=LogOptions(heatmap=False))
+    monitor = AttentionEntropyMonitor(batches=2, log=LogOptions(heatmap=False), save_summaries=True)
     logger = CSVLogger(tmp_path, name="ddp")
     trainer = make_trainer(
         tmp_path,
@@ -991,6 +992,12 @@ def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch:
     scalars = {name: float(logged[0][name]) for name in expected_names(lm.GPT_LAYERS)}
     union = gpt_reference(state, val[:4])
     check_against_reference(scalars, union)
+    # The saved summary (trainer.log_dir is a collective: every rank must ask for it) is the union's too.
+    (saved,) = glob.glob(str(tmp_path / "ddp" / "version_*" / "attn_entropy" / "*.pt"))
+    saved_scalars = load_summary(saved).to_dict()
+    assert {f"{PREFIX}/{layer}/mean" for layer in lm.GPT_LAYERS} <= set(saved_scalars)
+    for name in set(saved_scalars) & set(scalars):
+        assert saved_scalars[name] == pytest.approx(scalars[name], abs=1e-6), name
     # Lightning hands rank 0's callback_metrics back: every per-layer statistic, as logged.
     for name in expected_names(lm.GPT_LAYERS) - {n for n in scalars if n.startswith(f"{PREFIX}_heads")}:
         assert float(trainer.callback_metrics[name]) == pytest.approx(scalars[name], abs=1e-6), name
@@ -1393,7 +1400,6 @@ def test_monitor_reused_after_a_failed_fit_starts_from_zero(tmp_path: Path, fail
 
 def test_compiled_model_logs_its_own_layer_names(tmp_path: Path) -> None:
     """``torch.compile`` (``aot_eager``) before fit: no ``_orig_mod.`` in names, pictures, saved summaries, patterns."""
-    from attn_monitor.comparison import load_summary
 
     names = ["model.blocks.0.attn", "model.blocks.1.attn"]
     model = lm.CompiledGPT()

@@ -278,12 +278,11 @@ def test_max_logit_and_distance_read_the_modified_logits(case: str) -> None:
     update = StatisticsUpdate()
     inputs: dict[str, Tensor] = {}
     hook = model.layers[0].register_forward_pre_hook(lambda module, args: inputs.__setitem__("x", args[0]))
-    with torch.no_grad(), AttentionCapture(model, layers=["layers.0"]) as capture:
-        with capture.recording(consumers=[update]):
-            mask_mod, per_batch, score_mod = CASES[case]
-            batch = BATCH if per_batch else None
-            block_mask = flex.create_block_mask(mask_mod, batch, None, SEQ, SEQ, device="cpu", BLOCK_SIZE=BLOCK)
-            model(ids, block_mask, score_mod)
+    mask_mod, per_batch, score_mod = CASES[case]
+    batch = BATCH if per_batch else None
+    block_mask = flex.create_block_mask(mask_mod, batch, None, SEQ, SEQ, device="cpu", BLOCK_SIZE=BLOCK)
+    with torch.no_grad(), AttentionCapture(model, layers=["layers.0"]) as cap, cap.recording(consumers=[update]):
+        model(ids, block_mask, score_mod)
     hook.remove()
     layer, x64 = model.layers[0], inputs["x"].double()
     q = (x64 @ layer.q_proj.weight.double().T).view(BATCH, SEQ, HEADS, -1).transpose(1, 2)
