@@ -47,7 +47,6 @@ __all__ = [
     "WandbSink",
     "group_heads",
     "head_group",
-    "log_summary",
     "per_layer",
     "send_alert",
     "sink_kind",
@@ -698,30 +697,3 @@ class Dashboards:
             title=f"{layer}{suffix}: median normalised entropy of each head",
             xname="trainer/global_step",
         )
-
-
-def log_summary(
-    sinks: Iterable[Any],
-    summary: EntropySummary,
-    step: int,
-    options: LogOptions | None = None,
-    *,
-    extra_scalars: Mapping[str, float] | None = None,
-    suffix: str = "",
-    dashboards: Dashboards | None = None,
-) -> dict[str, float]:
-    """Write ``summary`` to every sink, scalars included; returns the scalars written (:meth:`Dashboards.log`).
-
-    Args:
-        sinks: where to write (see :func:`sink_kind`).
-        summary: what to log.
-        step: the step to log at.
-        options: what to log (default: :class:`LogOptions`); ignored with ``dashboards``.
-        extra_scalars: further scalars to log with the same step.
-        suffix: appended to every name, histograms and pictures included
-            (``"/dataloader_idx_1"`` keeps validation dataloaders apart).
-        dashboards: keeps the history across calls for the W&B per-head charts
-            and :meth:`Dashboards.write_history` (default: a new one, no history).
-    """
-    dashboards = Dashboards(options) if dashboards is None else dashboards
-    return dashboards.log(sinks, summary, step, extra_scalars=extra_scalars, suffix=suffix)
