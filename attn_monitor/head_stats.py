@@ -141,6 +141,33 @@ class StatisticsSummary:
         peak = self._stats["max_logit"].amax(-1)
         return peak.masked_fill(self.logit_count.sum(-1) == 0, math.nan)
 
+    def clip_factors(self, threshold: float) -> Tensor:
+        """(L, H) the factor a QK-Clip at ``threshold`` would scale each head's logits by: ``min(1, tau / max_logit)``.
+
+        A dry run of the clip (Kimi K2's recipe, tau = 100): 1 where the head's
+        max logit is at most ``threshold``, NaN where none was counted. A
+        function of the max-reduced state, so exact under DDP and tensor
+        parallelism (heads are global).
+
+        Raises:
+            ValueError: ``threshold`` is not a positive finite number.
+
+        Example:
+            >>> metric = AttentionStatistics()
+            >>> metric.update("layer.0", max_logit=torch.tensor([[[50.0], [400.0]]]))
+            >>> metric.compute().clip_factors(100.0)
+            tensor([[1.0000, 0.2500]], dtype=torch.float64)
+        """
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf:
+            raise ValueError(f"Expected the clip `threshold` to be a positive finite number, got {threshold!r}.")
+        peak = self.max_logit
+        factor = (threshold / peak.clamp(min=threshold)).to(torch.float64)
+        return factor.masked_fill(peak.isnan(), math.nan)
+
+    def clipped_heads(self, threshold: float) -> Tensor:
+        """(L,) heads per layer a QK-Clip at ``threshold`` would rescale (max logit above it)."""
+        return (self.clip_factors(threshold) < 1).sum(-1).to(torch.float64)
+
     @property
     def distance(self) -> Tensor:
         """(L, H) token-weighted mean attention distance in positions; NaN where none was counted."""
@@ -153,7 +180,9 @@ class StatisticsSummary:
         count = self.distance_count.sum(-1)
         return torch.where(count > 0, self._stats["distance_sum"].sum(-1) / count.clamp(min=1), math.nan)
 
-    def to_dict(self, prefix: str = "attn", *, per_head: bool = True) -> dict[str, float]:
+    def to_dict(
+        self, prefix: str = "attn", *, per_head: bool = True, clip_threshold: float | None = None
+    ) -> dict[str, float]:
         """Flat scalar names for loggers.
 
         Per layer ``{prefix}_max_logit/{layer}/max`` (over heads and counted
@@ -162,6 +191,10 @@ class StatisticsSummary:
         ``{prefix}_distance_heads/{layer}/head_{h}/mean``. Layers and heads with
         no counted query are left out; ``/nonfinite`` counts queries left out
         for a NaN or infinite value, where there were any.
+
+        With ``clip_threshold`` (the QK-Clip dry run, :meth:`clip_factors`):
+        ``{prefix}_qk_clip/{layer}/clipped_heads`` and per head
+        ``{prefix}_qk_clip_heads/{layer}/head_{h}/factor``.
         """
         out: dict[str, float] = {}
         families = (
@@ -183,7 +216,22 @@ class StatisticsSummary:
                         if head_count[index][head] > 0:
                             name = f"{prefix}_{family}_heads/{layer}/head_{head}/{statistic}"
                             out[name] = head_values[index][head]
+        if clip_threshold is not None:
+            self._put_clip(out, prefix, clip_threshold, per_head)
         return out
+
+    def _put_clip(self, out: dict[str, float], prefix: str, threshold: float, per_head: bool) -> None:
+        """Add the QK-Clip dry run's names (see :meth:`to_dict`) for layers with a counted max logit."""
+        factors, clipped = self.clip_factors(threshold).tolist(), self.clipped_heads(threshold).tolist()
+        head_count, layer_count = self.logit_count.tolist(), self.logit_count.sum(-1).tolist()
+        for index, layer in enumerate(self.layers):
+            if layer_count[index] == 0:
+                continue
+            out[f"{prefix}_qk_clip/{layer}/clipped_heads"] = clipped[index]
+            if per_head:
+                for head in range(self.num_heads[index]):
+                    if head_count[index][head] > 0:
+                        out[f"{prefix}_qk_clip_heads/{layer}/head_{head}/factor"] = factors[index][head]
 
     def __repr__(self) -> str:
         return f"StatisticsSummary(layers={self.layers}, heads={self.num_heads})"

@@ -506,3 +506,67 @@ def test_training_steps_get_no_statistics(tmp_path: Path) -> None:
     assert not any(name.startswith("attn_max_logit") for name in logged)
     assert len(memory.steps_of(f"attn_distance/{lm.GPT_LAYERS[0]}/mean")) == 1
     assert monitor.recorder.streams["train"].statistics is None  # not computed either
+
+
+# --------------------------------------------------------------------------- QK-Clip dry run
+
+
+def test_clip_dry_run_matches_the_reference_factors() -> None:
+    """Per head min(1, tau / max logit) and per layer the heads above tau, from the float64 reference max logits.
+
+    tau sits between the heads' reference maxima, so some heads clip and some do not; the test fails when
+    the factor is inverted (max / tau), when heads at tau count as clipped, or when heads with no counted
+    query count (checked by breaking each, then restoring).
+    """
+    torch.manual_seed(0)
+    model = lm.TinyGPT()
+    with torch.no_grad():
+        for block in model.blocks:
+            models.sharpen(block.attn.c_attn.weight, lm.HIDDEN, 3.0)
+    batches = list(lm.make_batches(2, seed=5))
+    update = StatisticsUpdate(distance=False)
+    evaluate_attention(model, batches, consumers=[update])
+    summary = update.metric.compute()
+    expected = {layer: pooled.head_max() for layer, pooled in tiny_gpt_reference(model.state_dict(), batches).items()}
+    maxima = sorted(value for values in expected.values() for value in values)
+    tau = (maxima[len(maxima) // 2 - 1] + maxima[len(maxima) // 2]) / 2
+    assert maxima[0] < tau < maxima[-1] and maxima[-1] / tau > 1.05, maxima
+    names = summary.to_dict(clip_threshold=tau)
+    for index, (layer, head_max) in enumerate(expected.items()):
+        factors = [min(1.0, tau / value) for value in head_max]
+        assert summary.clip_factors(tau)[index, : len(factors)].tolist() == pytest.approx(factors, rel=TOL)
+        clipped = sum(value > tau for value in head_max)
+        assert float(summary.clipped_heads(tau)[index]) == clipped
+        assert names[f"attn_qk_clip/{layer}/clipped_heads"] == clipped
+        for head, factor in enumerate(factors):
+            assert names[f"attn_qk_clip_heads/{layer}/head_{head}/factor"] == pytest.approx(factor, rel=TOL)
+    assert "attn_qk_clip/" not in " ".join(summary.to_dict())  # off unless a threshold is given
+
+
+def test_clip_dry_run_is_exact_over_head_shards_and_merges() -> None:
+    """Heads split over two ranks at their global offsets, and batches split over two metrics, give the
+    factors of one metric that saw everything; a layer or head with nothing counted has NaN, never 1."""
+    logits, _, sample = _random_call(3, batch=4, heads=4)
+    whole = AttentionStatistics()
+    whole.update("layer.0", max_logit=logits, is_sample=sample)
+    shards = [AttentionStatistics(), AttentionStatistics()]
+    shards[0].update("layer.0", max_logit=logits[:2, :2], is_sample=sample[:2], head_offset=0, num_heads=4)
+    shards[1].update("layer.0", max_logit=logits[2:, 2:], is_sample=sample[2:], head_offset=2, num_heads=4)
+    shards[0].update("layer.0", max_logit=logits[2:, :2], is_sample=sample[2:], head_offset=0, num_heads=4)
+    shards[1].update("layer.0", max_logit=logits[:2, 2:], is_sample=sample[:2], head_offset=2, num_heads=4)
+    shards[0].merge_state(shards[1])
+    reference_max = [
+        max(float(v) for v, s in zip(logits[:, h].flatten(), sample.expand(4, 4, 7)[:, h].flatten(), strict=True) if s)
+        for h in range(4)
+    ]
+    tau = sorted(reference_max)[1] + 1e-3
+    expected = [min(1.0, tau / value) for value in reference_max]
+    for metric in (whole, shards[0]):
+        assert metric.compute().clip_factors(tau)[0].tolist() == pytest.approx(expected, rel=1e-12)
+    empty = AttentionStatistics({"layer.0": 2})
+    empty.update("layer.0", max_logit=torch.tensor([[[500.0], [1.0]]]), is_sample=torch.tensor([[[True], [False]]]))
+    assert empty.compute().clip_factors(100.0)[0, 0] == pytest.approx(0.2)
+    assert empty.compute().clip_factors(100.0)[0, 1].isnan() and float(empty.compute().clipped_heads(100.0)[0]) == 1
+    for bad in (0.0, -1.0, math.inf, math.nan, True):
+        with pytest.raises(ValueError, match="clip `threshold`"):
+            empty.compute().clip_factors(bad)
