@@ -12,10 +12,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from attn_monitor.alerts import CollapseAlert, MaxLogitAlert, OverloadAlert
     from attn_monitor.callback import AttentionEntropyMonitor
     from attn_monitor.calls import AttentionCall
     from attn_monitor.capture import AttentionCapture, evaluate_attention
     from attn_monitor.comparison import Comparison, compare, load_summary, save_summary
+    from attn_monitor.core import MonitorCore
     from attn_monitor.diagnostics import MassDiagnostics
     from attn_monitor.eager import probabilities_at
     from attn_monitor.functional import (
@@ -33,9 +35,12 @@ if TYPE_CHECKING:
         normalize_entropy,
     )
     from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate, distance_from_probs
+    from attn_monitor.loggers import LogOptions
     from attn_monitor.masks import Support
     from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
     from attn_monitor.parallel import declare_heads
+    from attn_monitor.recording import Statistics
+    from attn_monitor.schedule import Batches
 
 __all__ = [
     "AttentionCall",
@@ -44,11 +49,18 @@ __all__ = [
     "AttentionEntropyMonitor",
     "AttentionMass",
     "AttentionStatistics",
+    "Batches",
+    "CollapseAlert",
     "Comparison",
     "EntropySummary",
     "KeyShardStatistics",
+    "LogOptions",
     "MassDiagnostics",
     "MassSummary",
+    "MaxLogitAlert",
+    "MonitorCore",
+    "OverloadAlert",
+    "Statistics",
     "StatisticsSummary",
     "StatisticsUpdate",
     "Support",
@@ -75,6 +87,11 @@ __all__ = [
 #: Public name -> the module that defines it.
 _HOMES = {
     "AttentionEntropyMonitor": "callback",
+    **dict.fromkeys(("CollapseAlert", "MaxLogitAlert", "OverloadAlert"), "alerts"),
+    "Batches": "schedule",
+    "LogOptions": "loggers",
+    "MonitorCore": "core",
+    "Statistics": "recording",
     "AttentionCall": "calls",
     **dict.fromkeys(("AttentionCapture", "evaluate_attention"), "capture"),
     "probabilities_at": "eager",

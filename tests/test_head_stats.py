@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
-from attn_monitor.alerts import MaxLogitAlert, OverloadAlert
+from attn_monitor import Batches, LogOptions, MaxLogitAlert, OverloadAlert, Statistics
 from attn_monitor.callback import AttentionEntropyMonitor
 from attn_monitor.calls import AttentionCall
 from attn_monitor.capture import AttentionCapture, evaluate_attention
@@ -426,16 +427,20 @@ def test_max_logit_alert_warns_once_per_head_and_counts() -> None:
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
-        ({"max_logit": 1}, TypeError, "`max_logit`"),
-        ({"distance": "yes"}, TypeError, "`distance`"),
-        ({"max_logit_threshold": 100.0}, ValueError, "needs `max_logit=True`"),
-        ({"max_logit": True, "max_logit_threshold": "100"}, TypeError, "max_logit_threshold"),
-        ({"overload_threshold": 1.5}, ValueError, "overload_threshold"),
+        (lambda: Statistics(max_logit=1), TypeError, "`max_logit`"),  # type: ignore[arg-type]
+        (lambda: Statistics(distance="yes"), TypeError, "`distance`"),  # type: ignore[arg-type]
+        (
+            lambda: AttentionEntropyMonitor(alerts=[MaxLogitAlert(100.0)]),
+            ValueError,
+            "needs `Statistics\\(max_logit=True\\)`",
+        ),
+        (lambda: MaxLogitAlert("100"), TypeError, "`threshold` of MaxLogitAlert"),  # type: ignore[arg-type]
+        (lambda: OverloadAlert(1.5), ValueError, "`threshold` of OverloadAlert"),
     ],
 )
-def test_callback_rejects_bad_arguments(options: dict[str, Any], error: type, match: str) -> None:
+def test_callback_rejects_bad_arguments(options: Callable[[], object], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
-        AttentionEntropyMonitor(**options)
+        options()
 
 
 # --------------------------------------------------------------------------- the callback in a real fit
@@ -445,7 +450,9 @@ def test_fit_logs_statistics_to_tensorboard_per_dataloader(tmp_path: Path) -> No
     """Two validation dataloaders: every name gets ``/dataloader_idx_{i}``; values equal the reference."""
     logger = TensorBoardLogger(tmp_path, name="tb")
     monitor = AttentionEntropyMonitor(
-        max_logit=True, distance=True, max_logit_threshold=0.0, overload_threshold=0.0, histogram_bins=None
+        statistics=Statistics(max_logit=True, distance=True),
+        log=LogOptions(histogram_bins=None),
+        alerts=[OverloadAlert(0.0), MaxLogitAlert(0.0)],
     )
     recorder = lm.BatchRecorder()
     trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor, recorder], max_epochs=1)
@@ -493,7 +500,11 @@ def test_fit_logs_statistics_to_tensorboard_per_dataloader(tmp_path: Path) -> No
 
 def test_training_steps_get_no_statistics(tmp_path: Path) -> None:
     memory = lm.MemoryLogger()
-    monitor = AttentionEntropyMonitor(distance=True, train_every_n_steps=1, histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(
+        batches=Batches(train_every_n_steps=1),
+        statistics=Statistics(distance=True),
+        log=LogOptions(histogram_bins=None, heatmap=False),
+    )
     trainer = make_trainer(tmp_path, loggers=[memory], callbacks=[monitor], max_epochs=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -505,7 +516,7 @@ def test_training_steps_get_no_statistics(tmp_path: Path) -> None:
     }
     assert not any(name.startswith("attn_max_logit") for name in logged)
     assert len(memory.steps_of(f"attn_distance/{lm.GPT_LAYERS[0]}/mean")) == 1
-    assert monitor.recorder.streams["train"].statistics is None  # not computed either
+    assert monitor.core.recorder.streams["train"].statistics is None  # not computed either
 
 
 # --------------------------------------------------------------------------- QK-Clip dry run

@@ -35,13 +35,13 @@ LAYERS = {
         3,
     ),
     **dict.fromkeys(("loggers", "figures", "alerts", "comparison"), 4),
-    **dict.fromkeys(("schedule", "recording", "callback"), 5),
+    **dict.fromkeys(("schedule", "recording", "core", "callback"), 5),
     **dict.fromkeys(("__init__", "__main__"), 6),
 }
 
 #: The only modules that may import a training framework.
 FRAMEWORK_IMPORTS = {
-    "lightning": {"callback", "loggers"},  # loggers: the adapters for Lightning's own logger classes
+    "lightning": {"callback"},
     "pytorch_lightning": set(),
     "transformers": set(),
 }

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import csv
 import math
-import socket
-import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -45,17 +43,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 from attn_monitor import AttentionCapture, AttentionEntropy, AttentionStatistics, StatisticsUpdate, declare_heads
 from attn_monitor.consumers import EntropyUpdate
 from tests import parallel_models as models
+from tests.processes import launch
 
 WORLD_SIZE = 2
-DEADLINE_S = 120.0
-START_METHOD = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
 SCENARIOS = ("tp", "declared", "fsdp", "pipeline")
 MESH_SIZE = 4  # 2 x 2 data x tensor parallel
 MESH_SCENARIOS = ("dp_tp", "fsdp_tp")
@@ -267,12 +263,6 @@ def _mesh_worker(rank: int, port: int, out_dir: str) -> None:
     _worker(rank, port, out_dir, _mesh_run, MESH_SIZE)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 #: run name -> (data_parallel_size, tensor_parallel_size) of ModelParallelStrategy
 LIGHTNING_RUNS = {"tp": (1, 2), "fsdp": (2, 1)}
 
@@ -285,7 +275,7 @@ def _lightning_worker(rank: int, port: int, out_dir: str) -> None:
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from attn_monitor import AttentionEntropyMonitor
+    from attn_monitor import AttentionEntropyMonitor, LogOptions, Statistics
 
     os.environ.update(
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD_SIZE), "NODE_RANK": "0"}
@@ -294,7 +284,9 @@ def _lightning_worker(rank: int, port: int, out_dir: str) -> None:
     loader = torch.utils.data.DataLoader(models.items(), batch_size=None)
     for name, (data_parallel, tensor_parallel) in LIGHTNING_RUNS.items():
         # Each data-parallel rank gets its share of the 2 validation items; the union is all of them.
-        monitor = AttentionEntropyMonitor(batches=2 // data_parallel, heatmap=False, max_logit=True)
+        monitor = AttentionEntropyMonitor(
+            batches=2 // data_parallel, statistics=Statistics(max_logit=True), log=LogOptions(heatmap=False)
+        )
         trainer = Trainer(
             accelerator="cpu",
             devices=WORLD_SIZE,
@@ -316,23 +308,6 @@ def _lightning_worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(saved, f"{out_dir}/{name}{rank}.pt")
 
 
-def _launch(worker: Any, out_dir: Path, processes: int = WORLD_SIZE) -> None:
-    """Run ``worker(rank, port, out_dir)`` in forked processes; fail past the deadline."""
-    context = mp.start_processes(
-        worker, args=(_free_port(), str(out_dir)), nprocs=processes, join=False, start_method=START_METHOD
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"parallel workers did not finish within {DEADLINE_S:.0f} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """What each rank of a real 2-process gloo group saved."""
@@ -340,7 +315,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         pytest.skip("needs torch.distributed with gloo")
     out_dir = tmp_path_factory.mktemp("parallel")
     _record(models.TinyLlama(), models.batches()[:1])  # warm lazy imports before forking
-    _launch(_worker, out_dir)
+    launch(_worker, out_dir, WORLD_SIZE)
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
 
 
@@ -350,7 +325,7 @@ def mesh_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     out_dir = tmp_path_factory.mktemp("mesh")
-    _launch(_mesh_worker, out_dir, MESH_SIZE)
+    launch(_mesh_worker, out_dir, MESH_SIZE)
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(MESH_SIZE)]
 
 
@@ -360,7 +335,7 @@ def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     out_dir = tmp_path_factory.mktemp("lightning")
-    _launch(_lightning_worker, out_dir)
+    launch(_lightning_worker, out_dir, WORLD_SIZE)
     return out_dir
 
 
