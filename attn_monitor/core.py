@@ -262,7 +262,8 @@ class MonitorCore:
         extra = masses.to_dict("attn") if masses is not None else {}
         if statistics is not None:
             self.last_statistics[index] = statistics
-            extra.update(statistics.to_dict("attn", per_head=self.options.per_head))
+            clip = self.recorder.statistics.clip_threshold
+            extra.update(statistics.to_dict("attn", per_head=self.options.per_head, clip_threshold=clip))
         for alert in self.alerts if alerts else ():
             read = summary if alert.reads == "entropy" else statistics
             if read is not None:

@@ -43,6 +43,7 @@ __all__ = [
     "AttentionStatistics",
     "StatisticsSummary",
     "StatisticsUpdate",
+    "check_clip_threshold",
     "distance_from_probs",
     "max_logit_from_logits",
 ]
@@ -69,6 +70,16 @@ def max_logit_from_logits(scores: Tensor, mask: Tensor) -> Tensor:
     hidden = torch.full((), -math.inf, dtype=scores.dtype, device=scores.device)
     largest = torch.where(mask, scores, hidden).amax(-1).to(torch.promote_types(scores.dtype, torch.float32))
     return largest.masked_fill(largest == -math.inf, math.nan)
+
+
+def check_clip_threshold(threshold: object, name: str = "threshold") -> None:
+    """Raise unless ``threshold`` (the QK-Clip dry run's tau, argument ``name``) is a positive finite number.
+
+    Raises:
+        ValueError: anything else (a bool, a string, zero, a negative number, inf or NaN).
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf:
+        raise ValueError(f"Expected the clip `{name}` to be a positive finite number, got {threshold!r}.")
 
 
 def distance_from_probs(attn: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -158,8 +169,7 @@ class StatisticsSummary:
             >>> metric.compute().clip_factors(100.0)
             tensor([[1.0000, 0.2500]], dtype=torch.float64)
         """
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf:
-            raise ValueError(f"Expected the clip `threshold` to be a positive finite number, got {threshold!r}.")
+        check_clip_threshold(threshold)
         peak = self.max_logit
         factor = (threshold / peak.clamp(min=threshold)).to(torch.float64)
         return factor.masked_fill(peak.isnan(), math.nan)

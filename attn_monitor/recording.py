@@ -24,7 +24,7 @@ from attn_monitor.calls import Adapter, Consumer
 from attn_monitor.capture import AttentionCapture, default_document_ids, default_padding_mask
 from attn_monitor.consumers import EntropyUpdate
 from attn_monitor.diagnostics import MassDiagnostics
-from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate
+from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate, check_clip_threshold
 from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
 from attn_monitor.names import named_layers
 from attn_monitor.shared import WarnOnce, matches
@@ -53,6 +53,10 @@ class Statistics:
             layers that return probabilities, which are named in one warning.
         distance: the mean attention distance ``E|i - j|`` in positions,
             ``attn_distance/{layer}/mean`` (and per head), self-attention layers.
+        clip_threshold: a QK-Clip dry run at this tau (the recipe's 100): per
+            layer the heads a clip would rescale, ``attn_qk_clip/{layer}/clipped_heads``,
+            and per head the factor ``min(1, tau / max_logit)``,
+            ``attn_qk_clip_heads/{layer}/head_{h}/factor``. Needs ``max_logit``.
 
     The mass diagnostics, max logit and distance are measured on validation
     batches only (see :class:`MassDiagnostics` and :class:`StatisticsUpdate`).
@@ -75,12 +79,20 @@ class Statistics:
     leakage: bool = False
     max_logit: bool = False
     distance: bool = False
+    clip_threshold: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_logit", "distance"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"Expected `{name}` to be a bool, got {type(value).__name__} {value!r}.")
+        if self.clip_threshold is not None:
+            check_clip_threshold(self.clip_threshold, "clip_threshold")
+            if not self.max_logit:
+                raise ValueError(
+                    f"`clip_threshold={self.clip_threshold!r}` needs `Statistics(max_logit=True)`: the QK-Clip dry "
+                    "run reads each head's max logit."
+                )
         checked = MassDiagnostics(sink_tokens=self.sink_tokens, eviction=self.eviction, leakage=self.leakage)
         object.__setattr__(self, "eviction", tuple(checked.eviction))
         object.__setattr__(self, "leakage", checked.leakage)

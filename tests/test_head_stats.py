@@ -581,3 +581,53 @@ def test_clip_dry_run_is_exact_over_head_shards_and_merges() -> None:
     for bad in (0.0, -1.0, math.inf, math.nan, True):
         with pytest.raises(ValueError, match="clip `threshold`"):
             empty.compute().clip_factors(bad)
+
+
+def test_fit_logs_the_clip_dry_run_to_tensorboard_and_the_summary(tmp_path: Path) -> None:
+    """``Statistics(clip_threshold=tau)`` in a real fit: the clip names read back from TensorBoard (and the
+    per-layer count in ``trainer.callback_metrics``) equal min(1, tau / max logit) of the float64 reference
+    and the heads above tau.
+
+    tau sits between the heads' reference maxima (some clip, some do not). Fails when the core does not pass the
+    threshold on (no clip names), or when the factors are not the reference's (checked by breaking each).
+    """
+    model = lm.TinyGPT(lr=0.0)
+    with torch.no_grad():
+        for block in model.blocks:
+            models.sharpen(block.attn.c_attn.weight, lm.HIDDEN, 3.0)
+    batches = list(lm.make_batches(2, seed=6))
+    expected = {layer: pooled.head_max() for layer, pooled in tiny_gpt_reference(model.state_dict(), batches).items()}
+    maxima = sorted(value for values in expected.values() for value in values)
+    tau = (maxima[len(maxima) // 2 - 1] + maxima[len(maxima) // 2]) / 2
+    assert maxima[0] < tau < maxima[-1] and maxima[-1] / tau > 1.05, maxima
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    monitor = AttentionEntropyMonitor(
+        batches=2,
+        statistics=Statistics(max_logit=True, clip_threshold=tau),
+        log=LogOptions(histogram_bins=None, heatmap=False),
+    )
+    trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor], max_epochs=1, limit_train_batches=1)
+    trainer.fit(model, lm.loader(lm.make_batches(1, seed=1)), lm.loader(batches))
+    step = 0  # lr 0, one training batch: validation logged at step 0 with the initial weights
+    logged = tb_scalars_at(read_tensorboard(logger.log_dir), step, "attn_qk_clip")
+    for layer, head_max in expected.items():
+        clipped = float(sum(value > tau for value in head_max))
+        assert logged[f"attn_qk_clip/{layer}/clipped_heads"] == clipped
+        assert float(trainer.callback_metrics[f"attn_qk_clip/{layer}/clipped_heads"]) == clipped
+        for head, value in enumerate(head_max):
+            name = f"attn_qk_clip_heads/{layer}/head_{head}/factor"
+            assert logged[name] == pytest.approx(min(1.0, tau / value), rel=TOL)
+    assert len(logged) == len(expected) * (1 + lm.HEADS)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        (lambda: Statistics(clip_threshold=100.0), ValueError, "needs `Statistics\\(max_logit=True\\)`"),
+        (lambda: Statistics(max_logit=True, clip_threshold=0.0), ValueError, "clip `clip_threshold`.*got 0.0"),
+        (lambda: Statistics(max_logit=True, clip_threshold="100"), ValueError, "clip `clip_threshold`"),  # type: ignore[arg-type]
+    ],
+)
+def test_clip_threshold_is_checked_early(options: Callable[[], object], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        options()

@@ -36,6 +36,8 @@ from tests.processes import launch
 from tests.test_metric import Peak
 
 WORLD_SIZE = 2
+#: The QK-Clip dry run's tau in the statistics shards: between the heads' maxima of the union.
+CLIP_TAU = 4.0
 MAX_COLLECTIVES = 3
 CONFIG = {"num_bins": 50, "nats_bins": 40, "max_keys": 16}
 DECLARED = {"declared": 3}
@@ -264,6 +266,8 @@ def _run_scenarios(rank: int) -> dict[str, Any]:
             name: getattr(summary, name).clone()
             for name in ("max_logit", "layer_max_logit", "logit_count", "distance", "distance_count")
         },
+        "clip_factors": summary.clip_factors(CLIP_TAU),
+        "clipped_heads": summary.clipped_heads(CLIP_TAU),
     }
 
     mass = AttentionMass(num_bins=20)
@@ -407,7 +411,7 @@ def test_max_logit_and_distance_equal_the_float64_reference_on_the_union(ranks: 
     float64 over its support (tests/reference.py), from both ranks' calls,
     and pools them per (layer, head) in plain Python. Fails when the max
     fields are summed instead of maxed across ranks (the per-rank maxima of
-    layer "both" differ, and the layers one rank lacks hold -inf there).
+    layer "both" differ, and the layers one rank lacks hold -inf there), and the QK-Clip dry run with them.
     """
     # layer -> head -> rank -> the counted queries' values
     logits: dict[str, list[list[list[float]]]] = {}
@@ -437,6 +441,12 @@ def test_max_logit_and_distance_equal_the_float64_reference_on_the_union(ranks: 
             assert got["max_logit"][index].tolist() == pytest.approx(want_max, rel=1e-5, abs=1e-5), layer
             assert float(got["layer_max_logit"][index]) == pytest.approx(max(want_max), rel=1e-5, abs=1e-5)
             assert got["distance"][index].tolist() == pytest.approx(want_distance, rel=1e-4, abs=1e-4), layer
+            # The QK-Clip dry run of the union: some heads clip, some do not.
+            factors = [min(1.0, CLIP_TAU / value) for value in want_max]
+            assert got["clip_factors"][index].tolist() == pytest.approx(factors, rel=1e-5), layer
+            assert float(got["clipped_heads"][index]) == sum(value > CLIP_TAU for value in want_max), layer
+    union_maxima = [max(v for per_rank in head for v in per_rank) for layer in logits.values() for head in layer]
+    assert min(union_maxima) < CLIP_TAU < max(union_maxima), union_maxima
 
 
 def test_attention_mass_syncs_by_name_with_nonfinite(ranks: list[dict[str, Any]]) -> None:
