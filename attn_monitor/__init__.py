@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from attn_monitor.alerts import CollapseAlert, MaxLogitAlert, OverloadAlert
+    from attn_monitor.alerts import CollapseAlert, MaxLogitAlert, OverloadAlert, TrendAlert
     from attn_monitor.callback import AttentionEntropyMonitor
     from attn_monitor.calls import AttentionCall
     from attn_monitor.capture import AttentionCapture, evaluate_attention
@@ -64,6 +64,7 @@ __all__ = [
     "StatisticsSummary",
     "StatisticsUpdate",
     "Support",
+    "TrendAlert",
     "attention_distance",
     "attention_entropy",
     "attention_lse",
@@ -87,7 +88,7 @@ __all__ = [
 #: Public name -> the module that defines it.
 _HOMES = {
     "AttentionEntropyMonitor": "callback",
-    **dict.fromkeys(("CollapseAlert", "MaxLogitAlert", "OverloadAlert"), "alerts"),
+    **dict.fromkeys(("CollapseAlert", "MaxLogitAlert", "OverloadAlert", "TrendAlert"), "alerts"),
     "Batches": "schedule",
     "LogOptions": "loggers",
     "MonitorCore": "core",

@@ -79,7 +79,8 @@ class MonitorCore:
         log: what is logged, and the prefix of every entropy name.
         alerts: :class:`~attn_monitor.alerts.CollapseAlert`,
             :class:`~attn_monitor.alerts.OverloadAlert`,
-            :class:`~attn_monitor.alerts.MaxLogitAlert`, at most one of each.
+            :class:`~attn_monitor.alerts.MaxLogitAlert`, :class:`~attn_monitor.alerts.TrendAlert`,
+            at most one of each.
         layers: layer name patterns (globs) to watch; each must match a module at :meth:`attach`.
         module: ``module(root) -> nn.Module`` to watch (default: what :meth:`attach` gets).
         padding_mask: ``padding_mask(batch) -> (batch, seq)`` real tokens; default: a dict batch's ``attention_mask``.
@@ -265,9 +266,7 @@ class MonitorCore:
             clip = self.recorder.statistics.clip_threshold
             extra.update(statistics.to_dict("attn", per_head=self.options.per_head, clip_threshold=clip))
         for alert in self.alerts if alerts else ():
-            read = summary if alert.reads == "entropy" else statistics
-            if read is not None:
-                extra.update(alert(read, key=index))  # type: ignore[operator]
+            extra.update(alert.check(summary, statistics, key=index))
         if masses is not None:
             self.leakage(masses)
         return self.dashboards.log(
@@ -369,7 +368,7 @@ def _check_alerts(alerts: Iterable[Alert], statistics: Statistics) -> list[Alert
             raise ValueError(f"`alerts` holds a {kind.__name__} with nothing to check; give it a threshold.")
         if kind in kinds:
             raise ValueError(f"`alerts` holds two {kind.__name__}s; they would log the same names.")
-        if alert.reads == "statistics" and not statistics.max_logit:
+        if alert.needs_max_logit and not statistics.max_logit:
             raise ValueError(
                 f"`alerts` holds a {kind.__name__}, which needs `Statistics(max_logit=True)`: the max logit is only "
                 "measured when it is logged."
