@@ -39,6 +39,7 @@ from typing import Any
 from torch import nn
 
 from attn_monitor.alerts import Alert, LeakageAlert
+from attn_monitor.bound import BOUND_FAMILY
 from attn_monitor.calls import Adapter
 from attn_monitor.capture import nothing_captured_message
 from attn_monitor.comparison import SummaryArchive
@@ -257,10 +258,11 @@ class MonitorCore:
         """Compute, alert and write one dataloader's stream; its scalars (None: nothing recorded)."""
         summary, masses = self.recorder.collect(index)
         statistics = self.recorder.collect_statistics(index)
+        extra = self._bound_names(index, BOUND_FAMILY)
         if summary is None:
             return None
         self.last_summaries[index] = summary
-        extra = masses.to_dict("attn") if masses is not None else {}
+        extra.update(masses.to_dict("attn") if masses is not None else {})
         if statistics is not None:
             self.last_statistics[index] = statistics
             clip = self.recorder.statistics.clip_threshold
@@ -273,6 +275,11 @@ class MonitorCore:
             self.sinks, summary, step, extra_scalars=extra, suffix=suffix,
             logged_elsewhere=logged_elsewhere if alerts else None, remember=alerts,
         )  # fmt: skip
+
+    def _bound_names(self, key: Any, family: str) -> dict[str, float]:
+        """The max-logit bound of stream ``key`` under ``family`` (every rank: a collective); none when off."""
+        bound = self.recorder.collect_bound(key)
+        return {} if bound is None else bound.to_dict(family, per_head=self.options.per_head)
 
     def _warn_if_blind(self) -> None:
         if self.recorder.saw_nothing and self.recorder.capture is not None:
@@ -299,9 +306,11 @@ class MonitorCore:
         self._training_step = False
         self._recording.close()
         summary, _ = self.recorder.collect(TRAIN)
+        extra = self._bound_names(TRAIN, f"{BOUND_FAMILY}_train")
         scalars = {}
         if summary is not None:
-            scalars = self.dashboards.log(self.sinks, summary, step, prefix=f"{self.options.prefix}_train")
+            prefix = f"{self.options.prefix}_train"
+            scalars = self.dashboards.log(self.sinks, summary, step, prefix=prefix, extra_scalars=extra)
         self._warn_if_blind()
         return scalars
 

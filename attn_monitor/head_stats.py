@@ -35,8 +35,8 @@ from torch import Tensor
 
 from attn_monitor.calls import AttentionCall
 from attn_monitor.consumers import without_nonfinite
-from attn_monitor.functional import attention_distance, attention_max_logit, broadcasts_to, restrict_to_support
-from attn_monitor.metric import LayerMetric, copy_statistics, put_nonfinite
+from attn_monitor.functional import attention_distance, attention_max_logit, restrict_to_support
+from attn_monitor.metric import LayerMetric, check_is_sample, copy_statistics, put_nonfinite
 from attn_monitor.shared import WarnOnce
 
 __all__ = [
@@ -318,10 +318,7 @@ class AttentionStatistics(LayerMetric):
             shape = tuple(value.shape)
         if shape is None:
             return
-        if is_sample is not None and (not isinstance(is_sample, Tensor) or is_sample.dtype != torch.bool):
-            raise TypeError(f"Expected `is_sample` to be a bool tensor or None, got {type(is_sample).__name__}.")
-        if is_sample is not None and not broadcasts_to(tuple(is_sample.shape), shape):
-            raise ValueError(f"Expected `is_sample` broadcastable to {shape}, got {tuple(is_sample.shape)}.")
+        check_is_sample(is_sample, shape)
         sample = torch.ones(shape, dtype=torch.bool, device=self.device)
         if is_sample is not None:
             sample = sample & is_sample.to(self.device)

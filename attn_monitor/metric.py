@@ -553,6 +553,21 @@ class EntropySummary(_Summary):
         )
 
 
+def check_is_sample(is_sample: object, shape: tuple[int, ...]) -> None:
+    """Raise unless ``is_sample`` is None or a bool tensor broadcastable to the values' ``shape``.
+
+    Raises:
+        TypeError: not a bool tensor.
+        ValueError: not broadcastable to ``shape``.
+    """
+    if is_sample is None:
+        return
+    if not isinstance(is_sample, Tensor) or is_sample.dtype != torch.bool:
+        raise TypeError(f"Expected `is_sample` to be a bool tensor or None, got {type(is_sample).__name__}.")
+    if not broadcasts_to(tuple(is_sample.shape), shape):
+        raise ValueError(f"Expected `is_sample` broadcastable to {shape}, got {tuple(is_sample.shape)}.")
+
+
 def put_nonfinite(out: dict[str, float], base: str, nonfinite: float) -> None:
     """Add ``{base}/nonfinite``, the count of queries left out as non-finite (heads pooled), when there were any."""
     if nonfinite > 0:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attn_monitor.bound import LogitBound, LogitBoundSummary
 from attn_monitor.calls import Adapter, Consumer
 from attn_monitor.capture import AttentionCapture, default_document_ids, default_padding_mask
 from attn_monitor.consumers import EntropyUpdate
@@ -53,13 +54,19 @@ class Statistics:
             layers that return probabilities, which are named in one warning.
         distance: the mean attention distance ``E|i - j|`` in positions,
             ``attn_distance/{layer}/mean`` (and per head), self-attention layers.
+        max_logit_bound: a bracket ``[lse - H, lse]`` on each head's max logit
+            from the entropy pass itself (no extra pass), on every recorded
+            batch, training steps included: ``attn_max_logit_bound/{layer}/lower|upper``
+            (``attn_max_logit_bound_train/...`` for training steps; see
+            :mod:`attn_monitor.bound`). Layers that return probabilities get none.
         clip_threshold: a QK-Clip dry run at this tau (the recipe's 100): per
             layer the heads a clip would rescale, ``attn_qk_clip/{layer}/clipped_heads``,
             and per head the factor ``min(1, tau / max_logit)``,
             ``attn_qk_clip_heads/{layer}/head_{h}/factor``. Needs ``max_logit``.
 
     The mass diagnostics, max logit and distance are measured on validation
-    batches only (see :class:`MassDiagnostics` and :class:`StatisticsUpdate`).
+    batches only (see :class:`MassDiagnostics` and :class:`StatisticsUpdate`);
+    the max-logit bound on every recorded batch.
 
     Raises:
         TypeError, ValueError: a bad option, named.
@@ -79,10 +86,11 @@ class Statistics:
     leakage: bool = False
     max_logit: bool = False
     distance: bool = False
+    max_logit_bound: bool = False
     clip_threshold: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_logit", "distance"):
+        for name in ("max_logit", "distance", "max_logit_bound"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"Expected `{name}` to be a bool, got {type(value).__name__} {value!r}.")
@@ -111,15 +119,16 @@ class Statistics:
 
 @dataclass
 class Stream:
-    """The metrics one purpose fills: entropy, and mass diagnostics and head statistics where asked for."""
+    """The metrics one purpose fills: entropy (and its max-logit bound), mass diagnostics and head statistics."""
 
     entropy: AttentionEntropy
     diagnostics: MassDiagnostics | None = None
     statistics: StatisticsUpdate | None = None
+    bound: LogitBound | None = None
     update: EntropyUpdate = field(init=False)
 
     def __post_init__(self) -> None:
-        self.update = EntropyUpdate(self.entropy)
+        self.update = EntropyUpdate(self.entropy, bound=self.bound)
 
     @property
     def consumers(self) -> list[Consumer]:
@@ -245,7 +254,8 @@ class Recorder:
                     distance=asked.distance,
                     warn_once=self._statistics_warnings,
                 )
-            self.streams[key] = Stream(entropy.to(self._device), masses, statistics)
+            bound = LogitBound().to(self._device) if asked.max_logit_bound else None
+            self.streams[key] = Stream(entropy.to(self._device), masses, statistics, bound)
         return self.streams[key]
 
     @contextmanager
@@ -290,8 +300,17 @@ class Recorder:
         statistics = self.stream(key).statistics
         return None if statistics is None else _compute(statistics.metric)
 
+    def collect_bound(self, key: Hashable) -> LogitBoundSummary | None:
+        """Compute and reset the max-logit bound of the stream ``key`` (a collective under DDP).
 
-def _compute(metric: AttentionEntropy | AttentionMass | AttentionStatistics) -> Any:
+        Returns:
+            None when the bound is off or nothing was recorded.
+        """
+        bound = self.stream(key).bound
+        return None if bound is None else _compute(bound)
+
+
+def _compute(metric: AttentionEntropy | AttentionMass | AttentionStatistics | LogitBound) -> Any:
     """``metric.compute()`` on every rank, then reset; None when no rank holds a layer."""
     with warnings.catch_warnings():
         # A rank (or a run) that recorded nothing still takes part in the sync; that is expected here.
