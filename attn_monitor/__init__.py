@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from attn_monitor.parallel import declare_heads
     from attn_monitor.recording import Statistics
     from attn_monitor.schedule import Batches
+    from attn_monitor.selfcheck import SelfCheck
 
 __all__ = [
     "AttentionCall",
@@ -60,6 +61,7 @@ __all__ = [
     "MaxLogitAlert",
     "MonitorCore",
     "OverloadAlert",
+    "SelfCheck",
     "Statistics",
     "StatisticsSummary",
     "StatisticsUpdate",
@@ -92,6 +94,7 @@ _HOMES = {
     "Batches": "schedule",
     "LogOptions": "loggers",
     "MonitorCore": "core",
+    "SelfCheck": "selfcheck",
     "Statistics": "recording",
     "AttentionCall": "calls",
     **dict.fromkeys(("AttentionCapture", "evaluate_attention"), "capture"),

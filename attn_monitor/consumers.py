@@ -13,6 +13,7 @@ from attn_monitor.calls import AttentionCall
 from attn_monitor.flex import score_mod_lse_entropy
 from attn_monitor.functional import Method, all_finite, attention_entropy, attention_lse_entropy, entropy_from_logits
 from attn_monitor.metric import AttentionEntropy
+from attn_monitor.selfcheck import FastPathCheck
 from attn_monitor.shared import WarnOnce
 
 __all__ = ["EntropyUpdate", "without_nonfinite"]
@@ -36,6 +37,8 @@ class EntropyUpdate:
         metric: the metric to update.
         method: entropy path for q/k calls (see :func:`entropy_from_qk`).
         bound: the max-logit bracket to update as well (None: none).
+        check: the self-check of the fast q/k path (None: unchecked), see
+            :class:`~attn_monitor.selfcheck.FastPathCheck`.
 
     Example:
         >>> import torch
@@ -49,7 +52,14 @@ class EntropyUpdate:
         (['MultiheadAttention'], [])
     """
 
-    def __init__(self, metric: AttentionEntropy, *, method: Method = "auto", bound: LogitBound | None = None) -> None:
+    def __init__(
+        self,
+        metric: AttentionEntropy,
+        *,
+        method: Method = "auto",
+        bound: LogitBound | None = None,
+        check: FastPathCheck | None = None,
+    ) -> None:
         if not isinstance(metric, AttentionEntropy):
             raise TypeError(f"Expected `metric` to be an AttentionEntropy, got {type(metric).__name__}.")
         if bound is not None and not isinstance(bound, LogitBound):
@@ -57,6 +67,7 @@ class EntropyUpdate:
         self.metric = metric
         self.method = method
         self.bound = bound
+        self.check = check
         self._warn_once = WarnOnce()
 
     def __call__(self, call: AttentionCall, sample: Tensor) -> None:
@@ -84,9 +95,12 @@ class EntropyUpdate:
             scale = 1.0 / math.sqrt(call.q.shape[-1]) if call.scale is None else call.scale
             lse, entropy = score_mod_lse_entropy(call.q, call.k, call.support, scale, call.score_mod)
         elif call.q is not None and call.k is not None:
-            lse, entropy = attention_lse_entropy(
-                call.q, call.k, mask=call.support, scale=call.scale, method=self.method
-            )
+            if self.check is not None:
+                lse, entropy = self.check.lse_entropy(call, sample, self.method)
+            else:
+                lse, entropy = attention_lse_entropy(
+                    call.q, call.k, mask=call.support, scale=call.scale, method=self.method
+                )
         else:
             raise ValueError(f"An AttentionCall of {call.layer!r} holds neither q and k nor probabilities.")
         if reached is not None:

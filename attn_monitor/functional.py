@@ -363,6 +363,17 @@ def _cuda_attention(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, 
 
 
 _KERNELS = {"cpu": _cpu_attention, "cuda": _cuda_attention}
+_KERNEL_NAMES = {
+    "cpu": "fused CPU flash kernel, aten._scaled_dot_product_flash_attention_for_cpu",
+    "cuda": "fused efficient-attention kernel, aten._scaled_dot_product_efficient_attention",
+}
+
+
+def qk_kernel(device: torch.device, support: Support, method: str) -> str:
+    """The kernel the q/k path runs on ``device`` for ``support`` with ``method``, in words (for messages)."""
+    if method == "chunked" or support.bias is not None or device.type not in _KERNELS:
+        return "chunked path, torch matmul and logsumexp"
+    return _KERNEL_NAMES[device.type]
 
 
 def _fused_lse(q: Tensor, k: Tensor, support: Support, scale: float) -> tuple[Tensor, Tensor] | None:

@@ -28,6 +28,7 @@ from attn_monitor.diagnostics import MassDiagnostics
 from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate, check_clip_threshold
 from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
 from attn_monitor.names import named_layers
+from attn_monitor.selfcheck import FastPathCheck, SelfCheck
 from attn_monitor.shared import WarnOnce, matches
 
 __all__ = ["BatchMask", "Recorder", "Statistics", "Stream"]
@@ -59,6 +60,10 @@ class Statistics:
             batch, training steps included: ``attn_max_logit_bound/{layer}/lower|upper``
             (``attn_max_logit_bound_train/...`` for training steps; see
             :mod:`attn_monitor.bound`). Layers that return probabilities get none.
+        self_check: when to recompute one sampled query block per layer in
+            float64 and compare with the fast q/k path (a layer that disagrees
+            is named once and takes the exact path); by default the first
+            recorded batch of a run. None: off. See :mod:`attn_monitor.selfcheck`.
         clip_threshold: a QK-Clip dry run at this tau (the recipe's 100): per
             layer the heads a clip would rescale, ``attn_qk_clip/{layer}/clipped_heads``,
             and per head the factor ``min(1, tau / max_logit)``,
@@ -87,6 +92,7 @@ class Statistics:
     max_logit: bool = False
     distance: bool = False
     max_logit_bound: bool = False
+    self_check: SelfCheck | None = field(default_factory=SelfCheck)
     clip_threshold: float | None = None
 
     def __post_init__(self) -> None:
@@ -94,6 +100,8 @@ class Statistics:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"Expected `{name}` to be a bool, got {type(value).__name__} {value!r}.")
+        if self.self_check is not None and not isinstance(self.self_check, SelfCheck):
+            raise TypeError(f"Expected `self_check` to be a SelfCheck or None, got {type(self.self_check).__name__}.")
         if self.clip_threshold is not None:
             check_clip_threshold(self.clip_threshold, "clip_threshold")
             if not self.max_logit:
@@ -125,10 +133,11 @@ class Stream:
     diagnostics: MassDiagnostics | None = None
     statistics: StatisticsUpdate | None = None
     bound: LogitBound | None = None
+    check: FastPathCheck | None = None
     update: EntropyUpdate = field(init=False)
 
     def __post_init__(self) -> None:
-        self.update = EntropyUpdate(self.entropy, bound=self.bound)
+        self.update = EntropyUpdate(self.entropy, bound=self.bound, check=self.check)
 
     @property
     def consumers(self) -> list[Consumer]:
@@ -194,6 +203,8 @@ class Recorder:
         self.num_bins = num_bins
         # One set of layer warnings for every stream: a layer is named once, not once per dataloader.
         self._statistics_warnings = WarnOnce()
+        #: The self-check of the fast path, shared by every stream (None: off).
+        self.check = None if self.statistics.self_check is None else FastPathCheck(self.statistics.self_check)
         self.capture: AttentionCapture | None = None
         self.streams: dict[Hashable, Stream] = {}
         self._device = torch.device("cpu")
@@ -226,6 +237,8 @@ class Recorder:
     def reset(self) -> None:
         """Drop every stream and what it holds (partial counts of a run that failed): the next starts from zero."""
         self.streams.clear()
+        if self.check is not None:
+            self.check.reset()
 
     def release(self) -> None:
         """Remove the capture's hooks; the streams stay."""
@@ -255,7 +268,7 @@ class Recorder:
                     warn_once=self._statistics_warnings,
                 )
             bound = LogitBound().to(self._device) if asked.max_logit_bound else None
-            self.streams[key] = Stream(entropy.to(self._device), masses, statistics, bound)
+            self.streams[key] = Stream(entropy.to(self._device), masses, statistics, bound, self.check)
         return self.streams[key]
 
     @contextmanager
@@ -268,6 +281,8 @@ class Recorder:
         if self.capture is None:
             raise RuntimeError("Attach the recorder to a model before recording.")
         stream = self.stream(key, diagnostics=diagnostics)
+        if self.check is not None:
+            self.check.start_batch()
         with self.capture.recording(self.padding_mask(batch), self.document_ids(batch), consumers=stream.consumers):
             yield
 
