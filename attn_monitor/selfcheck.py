@@ -74,25 +74,31 @@ def dense_lse_entropy(call: AttentionCall, index: int, start: int, stop: int) ->
     """(heads, stop - start) float64 logsumexp and entropy in nats of queries ``[start, stop)`` of batch row ``index``.
 
     Dense and direct: every logit ``scale * q.k`` plus the support's bias,
-    hidden keys at ``-inf``, then ``logsumexp`` and ``entr`` of the softmax.
+    hidden keys at ``-inf``, then ``logsumexp`` and ``entr`` of the softmax,
+    one head at a time (a (rows, keys) float64 block, also at long context).
     ``-inf`` and NaN where a query sees no key.
     """
     assert call.q is not None and call.k is not None
     q = call.q[index, :, start:stop].double()
-    k = call.k[index].double().repeat_interleave(q.shape[0] // call.k.shape[1], dim=0)
+    group = q.shape[0] // call.k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if call.scale is None else call.scale
-    scores = scale * q @ k.transpose(-1, -2)
     support = call.support
     bias = _row(support.bias_block(start, stop, 0, support.num_keys), index)
-    if bias is not None:
-        scores = scores + bias.double()
     visible = support.block(start, stop, 0, support.num_keys)
-    if visible is not None:
-        while visible.dim() < 4:
-            visible = visible.unsqueeze(0)
-        scores = scores.masked_fill(~_row(visible, index), -math.inf)  # type: ignore[operator]
-    lse = scores.logsumexp(-1)
-    return lse, torch.special.entr(scores.softmax(-1)).sum(-1).masked_fill(lse == -math.inf, math.nan)
+    while visible is not None and visible.dim() < 4:
+        visible = visible.unsqueeze(0)
+    visible = _row(visible, index)
+    lse, entropy = [], []
+    for head in range(q.shape[0]):
+        scores = scale * q[head] @ call.k[index, head // group].double().T
+        if bias is not None:
+            scores = scores + bias[min(head, bias.shape[0] - 1)].double()
+        if visible is not None:
+            scores = scores.masked_fill(~visible[min(head, visible.shape[0] - 1)], -math.inf)
+        lse.append(scores.logsumexp(-1))
+        entropy.append(torch.special.entr(scores.softmax(-1)).sum(-1))
+    lse_all = torch.stack(lse)
+    return lse_all, torch.stack(entropy).masked_fill(lse_all == -math.inf, math.nan)
 
 
 class FastPathCheck:
