@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from attn_monitor.alerts import CollapseAlert, MaxLogitAlert, OverloadAlert
+    from attn_monitor.alerts import CollapseAlert, MaxLogitAlert, OverloadAlert, TrendAlert
     from attn_monitor.callback import AttentionEntropyMonitor
     from attn_monitor.calls import AttentionCall
     from attn_monitor.capture import AttentionCapture, evaluate_attention
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from attn_monitor.parallel import declare_heads
     from attn_monitor.recording import Statistics
     from attn_monitor.schedule import Batches
+    from attn_monitor.selfcheck import SelfCheck
 
 __all__ = [
     "AttentionCall",
@@ -60,10 +61,12 @@ __all__ = [
     "MaxLogitAlert",
     "MonitorCore",
     "OverloadAlert",
+    "SelfCheck",
     "Statistics",
     "StatisticsSummary",
     "StatisticsUpdate",
     "Support",
+    "TrendAlert",
     "attention_distance",
     "attention_entropy",
     "attention_lse",
@@ -87,10 +90,11 @@ __all__ = [
 #: Public name -> the module that defines it.
 _HOMES = {
     "AttentionEntropyMonitor": "callback",
-    **dict.fromkeys(("CollapseAlert", "MaxLogitAlert", "OverloadAlert"), "alerts"),
+    **dict.fromkeys(("CollapseAlert", "MaxLogitAlert", "OverloadAlert", "TrendAlert"), "alerts"),
     "Batches": "schedule",
     "LogOptions": "loggers",
     "MonitorCore": "core",
+    "SelfCheck": "selfcheck",
     "Statistics": "recording",
     "AttentionCall": "calls",
     **dict.fromkeys(("AttentionCapture", "evaluate_attention"), "capture"),

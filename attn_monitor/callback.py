@@ -70,7 +70,8 @@ class AttentionEntropyMonitor(Callback):
         alerts: a list of :class:`~attn_monitor.alerts.CollapseAlert`
             (``stop=True`` stops training), :class:`~attn_monitor.alerts.OverloadAlert`,
             :class:`~attn_monitor.alerts.MaxLogitAlert` (needs
-            ``Statistics(max_logit=True)``); at most one of each.
+            ``Statistics(max_logit=True)``), :class:`~attn_monitor.alerts.TrendAlert`;
+            at most one of each.
         layers: layer name patterns (globs) to monitor; each must match a module at setup.
         module: ``module(pl_module) -> nn.Module`` to watch; by default the
             LightningModule itself (layer names are relative to it).

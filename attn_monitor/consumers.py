@@ -8,9 +8,11 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from attn_monitor.bound import LogitBound
 from attn_monitor.calls import AttentionCall
-from attn_monitor.functional import Method, all_finite, attention_entropy, entropy_from_logits, entropy_from_qk
+from attn_monitor.functional import Method, all_finite, attention_entropy, attention_lse_entropy, entropy_from_logits
 from attn_monitor.metric import AttentionEntropy
+from attn_monitor.selfcheck import FastPathCheck
 from attn_monitor.shared import WarnOnce
 
 __all__ = ["EntropyUpdate", "without_nonfinite"]
@@ -24,9 +26,18 @@ class EntropyUpdate:
     :attr:`nonfinite` and reported by one warning per layer, while the
     functional API itself raises on such input.
 
+    With ``bound``, each call's logsumexp and entropy also bracket its
+    heads' max logit (:class:`~attn_monitor.bound.LogitBound`): q/k calls
+    (sdpa, flex) hand over the lse of the entropy pass itself, eager calls
+    with logits one logsumexp of them; calls with probabilities only have no
+    logits and give none.
+
     Args:
         metric: the metric to update.
         method: entropy path for q/k calls (see :func:`entropy_from_qk`).
+        bound: the max-logit bracket to update as well (None: none).
+        check: the self-check of the fast q/k path (None: unchecked), see
+            :class:`~attn_monitor.selfcheck.FastPathCheck`.
 
     Example:
         >>> import torch
@@ -40,17 +51,32 @@ class EntropyUpdate:
         (['MultiheadAttention'], [])
     """
 
-    def __init__(self, metric: AttentionEntropy, *, method: Method = "auto") -> None:
+    def __init__(
+        self,
+        metric: AttentionEntropy,
+        *,
+        method: Method = "auto",
+        bound: LogitBound | None = None,
+        check: FastPathCheck | None = None,
+    ) -> None:
         if not isinstance(metric, AttentionEntropy):
             raise TypeError(f"Expected `metric` to be an AttentionEntropy, got {type(metric).__name__}.")
+        if bound is not None and not isinstance(bound, LogitBound):
+            raise TypeError(f"Expected `bound` to be a LogitBound or None, got {type(bound).__name__}.")
         self.metric = metric
         self.method = method
+        self.bound = bound
+        self.check = check
         self._warn_once = WarnOnce()
 
     def __call__(self, call: AttentionCall, sample: Tensor) -> None:
         call, reached = without_nonfinite(call)
+        lse = None
         if call.logits is not None:
-            entropy = entropy_from_logits(call.logits, call.support.dense())
+            visible = call.support.dense()
+            entropy = entropy_from_logits(call.logits, visible)
+            if self.bound is not None:
+                lse = call.logits.masked_fill(~visible, -math.inf).logsumexp(-1).to(entropy.dtype)
         elif call.probs is not None:
             entropy = attention_entropy(call.probs, call.support.dense(), no_mass="nan")
             stranded = entropy.isnan() & (call.support.num_valid() > 0)
@@ -65,7 +91,10 @@ class EntropyUpdate:
                 )
                 sample = sample & ~stranded
         elif call.q is not None and call.k is not None:
-            entropy = entropy_from_qk(call.q, call.k, method=self.method, **call.logits_of_qk())
+            if self.check is not None and call.score_mod is None:
+                lse, entropy = self.check.lse_entropy(call, sample, self.method)
+            else:
+                lse, entropy = attention_lse_entropy(call.q, call.k, method=self.method, **call.logits_of_qk())
         else:
             raise ValueError(f"An AttentionCall of {call.layer!r} holds neither q and k nor probabilities.")
         if reached is not None:
@@ -80,6 +109,9 @@ class EntropyUpdate:
             head_offset=call.head_offset,
             num_heads=call.num_heads,
         )
+        if self.bound is not None and lse is not None:
+            # Queries non-finite values reached have NaN entropy: the bound leaves them out.
+            self.bound.update(call.layer, lse, entropy, sample, head_offset=call.head_offset, num_heads=call.num_heads)
 
     def _report_nonfinite(self, layer: str, entropy: Tensor, sample: Tensor) -> None:
         """Warn once per layer when sampled queries have non-finite entropy."""

@@ -39,6 +39,7 @@ from typing import Any
 from torch import nn
 
 from attn_monitor.alerts import Alert, LeakageAlert
+from attn_monitor.bound import BOUND_FAMILY
 from attn_monitor.calls import Adapter
 from attn_monitor.capture import nothing_captured_message
 from attn_monitor.comparison import SummaryArchive
@@ -79,7 +80,8 @@ class MonitorCore:
         log: what is logged, and the prefix of every entropy name.
         alerts: :class:`~attn_monitor.alerts.CollapseAlert`,
             :class:`~attn_monitor.alerts.OverloadAlert`,
-            :class:`~attn_monitor.alerts.MaxLogitAlert`, at most one of each.
+            :class:`~attn_monitor.alerts.MaxLogitAlert`, :class:`~attn_monitor.alerts.TrendAlert`,
+            at most one of each.
         layers: layer name patterns (globs) to watch; each must match a module at :meth:`attach`.
         module: ``module(root) -> nn.Module`` to watch (default: what :meth:`attach` gets).
         padding_mask: ``padding_mask(batch) -> (batch, seq)`` real tokens; default: a dict batch's ``attention_mask``.
@@ -256,23 +258,28 @@ class MonitorCore:
         """Compute, alert and write one dataloader's stream; its scalars (None: nothing recorded)."""
         summary, masses = self.recorder.collect(index)
         statistics = self.recorder.collect_statistics(index)
+        extra = self._bound_names(index, BOUND_FAMILY)
         if summary is None:
             return None
         self.last_summaries[index] = summary
-        extra = masses.to_dict("attn") if masses is not None else {}
+        extra.update(masses.to_dict("attn") if masses is not None else {})
         if statistics is not None:
             self.last_statistics[index] = statistics
-            extra.update(statistics.to_dict("attn", per_head=self.options.per_head))
+            clip = self.recorder.statistics.clip_threshold
+            extra.update(statistics.to_dict("attn", per_head=self.options.per_head, clip_threshold=clip))
         for alert in self.alerts if alerts else ():
-            read = summary if alert.reads == "entropy" else statistics
-            if read is not None:
-                extra.update(alert(read, key=index))  # type: ignore[operator]
+            extra.update(alert.check(summary, statistics, key=index))
         if masses is not None:
             self.leakage(masses)
         return self.dashboards.log(
             self.sinks, summary, step, extra_scalars=extra, suffix=suffix,
             logged_elsewhere=logged_elsewhere if alerts else None, remember=alerts,
         )  # fmt: skip
+
+    def _bound_names(self, key: Any, family: str) -> dict[str, float]:
+        """The max-logit bound of stream ``key`` under ``family`` (every rank: a collective); none when off."""
+        bound = self.recorder.collect_bound(key)
+        return {} if bound is None else bound.to_dict(family, per_head=self.options.per_head)
 
     def _warn_if_blind(self) -> None:
         if self.recorder.saw_nothing and self.recorder.capture is not None:
@@ -299,9 +306,11 @@ class MonitorCore:
         self._training_step = False
         self._recording.close()
         summary, _ = self.recorder.collect(TRAIN)
+        extra = self._bound_names(TRAIN, f"{BOUND_FAMILY}_train")
         scalars = {}
         if summary is not None:
-            scalars = self.dashboards.log(self.sinks, summary, step, prefix=f"{self.options.prefix}_train")
+            prefix = f"{self.options.prefix}_train"
+            scalars = self.dashboards.log(self.sinks, summary, step, prefix=prefix, extra_scalars=extra)
         self._warn_if_blind()
         return scalars
 
@@ -368,7 +377,7 @@ def _check_alerts(alerts: Iterable[Alert], statistics: Statistics) -> list[Alert
             raise ValueError(f"`alerts` holds a {kind.__name__} with nothing to check; give it a threshold.")
         if kind in kinds:
             raise ValueError(f"`alerts` holds two {kind.__name__}s; they would log the same names.")
-        if alert.reads == "statistics" and not statistics.max_logit:
+        if alert.needs_max_logit and not statistics.max_logit:
             raise ValueError(
                 f"`alerts` holds a {kind.__name__}, which needs `Statistics(max_logit=True)`: the max logit is only "
                 "measured when it is logged."

@@ -40,6 +40,7 @@ __all__ = [
     "attention_distance",
     "attention_entropy",
     "attention_lse",
+    "attention_lse_entropy",
     "attention_max_logit",
     "coarsen",
     "entropy_from_logits",
@@ -373,6 +374,17 @@ def _cuda_attention(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, 
 
 
 _KERNELS = {"cpu": _cpu_attention, "cuda": _cuda_attention}
+_KERNEL_NAMES = {
+    "cpu": "fused CPU flash kernel, aten._scaled_dot_product_flash_attention_for_cpu",
+    "cuda": "fused efficient-attention kernel, aten._scaled_dot_product_efficient_attention",
+}
+
+
+def qk_kernel(device: torch.device, support: Support, method: str) -> str:
+    """The kernel the q/k path runs on ``device`` for ``support`` with ``method``, in words (for messages)."""
+    if method == "chunked" or support.bias is not None or device.type not in _KERNELS:
+        return "chunked path, torch matmul and logsumexp"
+    return _KERNEL_NAMES[device.type]
 
 
 def _fused_lse(q: Tensor, k: Tensor, support: Support, scale: float) -> tuple[Tensor, Tensor] | None:
@@ -529,13 +541,61 @@ def attention_lse(
         >>> attention_lse(q, torch.randn(1, 1, 2, 4), is_causal=True).exp()
         tensor([[[1., 2.]]])
     """
+    lse, _ = attention_lse_entropy(
+        q,
+        k,
+        mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        score_mod=score_mod,
+        method=method,
+        memory_budget=memory_budget,
+    )
+    return lse
+
+
+def attention_lse_entropy(
+    q: Tensor,
+    k: Tensor,
+    *,
+    mask: Tensor | Support | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    method: Method = "auto",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> tuple[Tensor, Tensor]:
+    """Logsumexp and entropy in nats of each query's softmax, from one pass without the matrix.
+
+    The pass :func:`entropy_from_qk` makes, both of its results kept. They
+    bracket the query's largest logit for free: ``lse - H = E_p[s] <= max_j
+    s_j <= lse`` (see :class:`~attn_monitor.bound.LogitBound`).
+
+    Args:
+        q, k, mask, is_causal, scale, score_mod, method, memory_budget: as
+            in :func:`entropy_from_qk`.
+
+    Returns:
+        (batch, heads, seq_q) logsumexp (``-inf`` where a query has no
+        visible key) and entropy in nats (NaN there), float32 (float64 for
+        float64 input).
+
+    Raises:
+        TypeError, ValueError: as :func:`entropy_from_qk`.
+
+    Example:
+        >>> q = torch.zeros(1, 1, 2, 4)  # all logits 0: lse = H = ln(number of visible keys)
+        >>> lse, entropy = attention_lse_entropy(q, torch.randn(1, 1, 2, 4), is_causal=True)
+        >>> lse.exp(), entropy.exp()
+        (tensor([[[1., 2.]]]), tensor([[[1., 2.]]]))
+    """
     _check_qk_values(q, k, mask, scale, score_mod)
     support, q, k, scale = _prepare_qk(q, k, mask, is_causal, scale, method, memory_budget)
-    lse, _ = _qk_pass(q, k, support, scale, method, memory_budget, score_mod)
+    lse, entropy = _qk_pass(q, k, support, scale, method, memory_budget, score_mod)
     if support.may_hide_every_key:
         # The fused kernels return lse 0 for rows with no visible key.
         lse = lse.masked_fill(support.num_valid().to(lse.device) == 0, -math.inf)
-    return lse
+    return lse, _finish(entropy, support.num_valid(), False, support.log_num_valid(entropy.dtype, entropy.device))
 
 
 def mass_fraction(lse_part: Tensor, lse_all: Tensor) -> Tensor:

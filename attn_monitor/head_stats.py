@@ -35,14 +35,15 @@ from torch import Tensor
 
 from attn_monitor.calls import AttentionCall
 from attn_monitor.consumers import without_nonfinite
-from attn_monitor.functional import attention_distance, attention_max_logit, broadcasts_to, restrict_to_support
-from attn_monitor.metric import LayerMetric, copy_statistics, put_nonfinite
+from attn_monitor.functional import attention_distance, attention_max_logit, restrict_to_support
+from attn_monitor.metric import LayerMetric, check_is_sample, copy_statistics, put_nonfinite
 from attn_monitor.shared import WarnOnce
 
 __all__ = [
     "AttentionStatistics",
     "StatisticsSummary",
     "StatisticsUpdate",
+    "check_clip_threshold",
     "distance_from_probs",
     "max_logit_from_logits",
 ]
@@ -69,6 +70,16 @@ def max_logit_from_logits(scores: Tensor, mask: Tensor) -> Tensor:
     hidden = torch.full((), -math.inf, dtype=scores.dtype, device=scores.device)
     largest = torch.where(mask, scores, hidden).amax(-1).to(torch.promote_types(scores.dtype, torch.float32))
     return largest.masked_fill(largest == -math.inf, math.nan)
+
+
+def check_clip_threshold(threshold: object, name: str = "threshold") -> None:
+    """Raise unless ``threshold`` (the QK-Clip dry run's tau, argument ``name``) is a positive finite number.
+
+    Raises:
+        ValueError: anything else (a bool, a string, zero, a negative number, inf or NaN).
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf:
+        raise ValueError(f"Expected the clip `{name}` to be a positive finite number, got {threshold!r}.")
 
 
 def distance_from_probs(attn: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -141,6 +152,32 @@ class StatisticsSummary:
         peak = self._stats["max_logit"].amax(-1)
         return peak.masked_fill(self.logit_count.sum(-1) == 0, math.nan)
 
+    def clip_factors(self, threshold: float) -> Tensor:
+        """(L, H) the factor a QK-Clip at ``threshold`` would scale each head's logits by: ``min(1, tau / max_logit)``.
+
+        A dry run of the clip (Kimi K2's recipe, tau = 100): 1 where the head's
+        max logit is at most ``threshold``, NaN where none was counted. A
+        function of the max-reduced state, so exact under DDP and tensor
+        parallelism (heads are global).
+
+        Raises:
+            ValueError: ``threshold`` is not a positive finite number.
+
+        Example:
+            >>> metric = AttentionStatistics()
+            >>> metric.update("layer.0", max_logit=torch.tensor([[[50.0], [400.0]]]))
+            >>> metric.compute().clip_factors(100.0)
+            tensor([[1.0000, 0.2500]], dtype=torch.float64)
+        """
+        check_clip_threshold(threshold)
+        peak = self.max_logit
+        factor = (threshold / peak.clamp(min=threshold)).to(torch.float64)
+        return factor.masked_fill(peak.isnan(), math.nan)
+
+    def clipped_heads(self, threshold: float) -> Tensor:
+        """(L,) heads per layer a QK-Clip at ``threshold`` would rescale (max logit above it)."""
+        return (self.clip_factors(threshold) < 1).sum(-1).to(torch.float64)
+
     @property
     def distance(self) -> Tensor:
         """(L, H) token-weighted mean attention distance in positions; NaN where none was counted."""
@@ -153,7 +190,9 @@ class StatisticsSummary:
         count = self.distance_count.sum(-1)
         return torch.where(count > 0, self._stats["distance_sum"].sum(-1) / count.clamp(min=1), math.nan)
 
-    def to_dict(self, prefix: str = "attn", *, per_head: bool = True) -> dict[str, float]:
+    def to_dict(
+        self, prefix: str = "attn", *, per_head: bool = True, clip_threshold: float | None = None
+    ) -> dict[str, float]:
         """Flat scalar names for loggers.
 
         Per layer ``{prefix}_max_logit/{layer}/max`` (over heads and counted
@@ -162,6 +201,10 @@ class StatisticsSummary:
         ``{prefix}_distance_heads/{layer}/head_{h}/mean``. Layers and heads with
         no counted query are left out; ``/nonfinite`` counts queries left out
         for a NaN or infinite value, where there were any.
+
+        With ``clip_threshold`` (the QK-Clip dry run, :meth:`clip_factors`):
+        ``{prefix}_qk_clip/{layer}/clipped_heads`` and per head
+        ``{prefix}_qk_clip_heads/{layer}/head_{h}/factor``.
         """
         out: dict[str, float] = {}
         families = (
@@ -183,7 +226,22 @@ class StatisticsSummary:
                         if head_count[index][head] > 0:
                             name = f"{prefix}_{family}_heads/{layer}/head_{head}/{statistic}"
                             out[name] = head_values[index][head]
+        if clip_threshold is not None:
+            self._put_clip(out, prefix, clip_threshold, per_head)
         return out
+
+    def _put_clip(self, out: dict[str, float], prefix: str, threshold: float, per_head: bool) -> None:
+        """Add the QK-Clip dry run's names (see :meth:`to_dict`) for layers with a counted max logit."""
+        factors, clipped = self.clip_factors(threshold).tolist(), self.clipped_heads(threshold).tolist()
+        head_count, layer_count = self.logit_count.tolist(), self.logit_count.sum(-1).tolist()
+        for index, layer in enumerate(self.layers):
+            if layer_count[index] == 0:
+                continue
+            out[f"{prefix}_qk_clip/{layer}/clipped_heads"] = clipped[index]
+            if per_head:
+                for head in range(self.num_heads[index]):
+                    if head_count[index][head] > 0:
+                        out[f"{prefix}_qk_clip_heads/{layer}/head_{head}/factor"] = factors[index][head]
 
     def __repr__(self) -> str:
         return f"StatisticsSummary(layers={self.layers}, heads={self.num_heads})"
@@ -260,10 +318,7 @@ class AttentionStatistics(LayerMetric):
             shape = tuple(value.shape)
         if shape is None:
             return
-        if is_sample is not None and (not isinstance(is_sample, Tensor) or is_sample.dtype != torch.bool):
-            raise TypeError(f"Expected `is_sample` to be a bool tensor or None, got {type(is_sample).__name__}.")
-        if is_sample is not None and not broadcasts_to(tuple(is_sample.shape), shape):
-            raise ValueError(f"Expected `is_sample` broadcastable to {shape}, got {tuple(is_sample.shape)}.")
+        check_is_sample(is_sample, shape)
         sample = torch.ones(shape, dtype=torch.bool, device=self.device)
         if is_sample is not None:
             sample = sample & is_sample.to(self.device)

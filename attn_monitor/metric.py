@@ -31,6 +31,9 @@ from attn_monitor.shared import check_int
 
 __all__ = ["AttentionEntropy", "AttentionMass", "EntropySummary", "LayerMetric", "MassSummary"]
 
+#: Mean sink mass above which a head counts as a sink head (the sink rate's epsilon, as Gu et al. 2024).
+SINK_THRESHOLD = 0.3
+
 #: state -> (torchmetrics reduction, value of an empty slot)
 _STATES = {"sums": ("sum", 0.0), "maxes": ("max", -math.inf)}
 
@@ -550,6 +553,21 @@ class EntropySummary(_Summary):
         )
 
 
+def check_is_sample(is_sample: object, shape: tuple[int, ...]) -> None:
+    """Raise unless ``is_sample`` is None or a bool tensor broadcastable to the values' ``shape``.
+
+    Raises:
+        TypeError: not a bool tensor.
+        ValueError: not broadcastable to ``shape``.
+    """
+    if is_sample is None:
+        return
+    if not isinstance(is_sample, Tensor) or is_sample.dtype != torch.bool:
+        raise TypeError(f"Expected `is_sample` to be a bool tensor or None, got {type(is_sample).__name__}.")
+    if not broadcasts_to(tuple(is_sample.shape), shape):
+        raise ValueError(f"Expected `is_sample` broadcastable to {shape}, got {tuple(is_sample.shape)}.")
+
+
 def put_nonfinite(out: dict[str, float], base: str, nonfinite: float) -> None:
     """Add ``{base}/nonfinite``, the count of queries left out as non-finite (heads pooled), when there were any."""
     if nonfinite > 0:
@@ -759,11 +777,41 @@ class MassSummary(_Summary):
     ``nonfinite`` (L, H) counts sample queries whose mass was NaN or infinite.
     """
 
-    def to_dict(self, prefix: str = "attn", *, per_head: bool = False) -> dict[str, float]:
+    def head_share_above(self, threshold: float) -> Tensor:
+        """(K,) share of each key's heads whose mean mass exceeds ``threshold``, among heads with a counted query.
+
+        For ``sink_mass/{layer}`` keys at ``threshold=0.3`` this is the sink
+        rate of Gu et al., "When Attention Sink Emerges in Language Models"
+        (2024): the share of a layer's heads that put more than 0.3 of their
+        mean mass on the sink tokens. A function of the summed state: exact
+        under DDP. NaN where no head has a counted query.
+
+        Raises:
+            ValueError: ``threshold`` outside [0, 1).
+
+        Example:
+            >>> metric = AttentionMass()
+            >>> metric.update("sink_mass/layer.0", torch.tensor([[[0.9, 0.7], [0.1, 0.2]]]))
+            >>> metric.compute().head_share_above(0.3)
+            tensor([0.5000], dtype=torch.float64)
+        """
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+            raise ValueError(f"Expected the mass `threshold` in [0, 1), got {threshold!r}.")
+        counted = self.count > 0
+        above = (counted & (self.mean > threshold)).sum(-1).to(torch.float64)
+        heads = counted.sum(-1)
+        return torch.where(heads > 0, above / heads.clamp(min=1), math.nan)
+
+    def to_dict(
+        self, prefix: str = "attn", *, per_head: bool = False, sink_threshold: float | None = SINK_THRESHOLD
+    ) -> dict[str, float]:
         """Scalars ``{prefix}_{diagnostic}/{layer}/mean``, ``/q50``, ``/q95``, ``/max_head_mean``
         (and ``/head_{h}/mean`` with ``per_head``); keys with no counted query are left out.
-        ``/nonfinite`` counts queries left out for a NaN or infinite mass, where there were any."""
+        ``/nonfinite`` counts queries left out for a NaN or infinite mass, where there were any.
+        Sink-mass keys also give ``{prefix}_sink_mass/{layer}/sink_rate``, the share of heads whose
+        mean sink mass exceeds ``sink_threshold`` (:meth:`head_share_above`; None: left out)."""
         out: dict[str, float] = {}
+        rates = None if sink_threshold is None else self.head_share_above(sink_threshold).tolist()
         medians, tails = self.layer_quantile(0.5).tolist(), self.layer_quantile(0.95).tolist()
         mean = self.mean
         head_means, peaks, count = mean.tolist(), mean.nan_to_num(nan=-math.inf).tolist(), self.count.tolist()
@@ -778,6 +826,8 @@ class MassSummary(_Summary):
             out[f"{base}/q50"] = medians[index]
             out[f"{base}/q95"] = tails[index]
             out[f"{base}/max_head_mean"] = max(peaks[index][: self.num_heads[index]])
+            if rates is not None and key.startswith("sink_mass/"):
+                out[f"{base}/sink_rate"] = rates[index]
             if per_head:
                 for head in range(self.num_heads[index]):
                     if count[index][head] > 0:

@@ -20,13 +20,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attn_monitor.bound import LogitBound, LogitBoundSummary
 from attn_monitor.calls import Adapter, Consumer
 from attn_monitor.capture import AttentionCapture, default_document_ids, default_padding_mask
 from attn_monitor.consumers import EntropyUpdate
 from attn_monitor.diagnostics import MassDiagnostics
-from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate
+from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate, check_clip_threshold
 from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
 from attn_monitor.names import named_layers
+from attn_monitor.selfcheck import FastPathCheck, SelfCheck
 from attn_monitor.shared import WarnOnce, matches
 
 __all__ = ["BatchMask", "Recorder", "Statistics", "Stream"]
@@ -53,9 +55,23 @@ class Statistics:
             layers that return probabilities, which are named in one warning.
         distance: the mean attention distance ``E|i - j|`` in positions,
             ``attn_distance/{layer}/mean`` (and per head), self-attention layers.
+        max_logit_bound: a bracket ``[lse - H, lse]`` on each head's max logit
+            from the entropy pass itself (no extra pass), on every recorded
+            batch, training steps included: ``attn_max_logit_bound/{layer}/lower|upper``
+            (``attn_max_logit_bound_train/...`` for training steps; see
+            :mod:`attn_monitor.bound`). Layers that return probabilities get none.
+        self_check: when to recompute one sampled query block per layer in
+            float64 and compare with the fast q/k path (a layer that disagrees
+            is named once and takes the exact path); by default the first
+            recorded batch of a run. None: off. See :mod:`attn_monitor.selfcheck`.
+        clip_threshold: a QK-Clip dry run at this tau (the recipe's 100): per
+            layer the heads a clip would rescale, ``attn_qk_clip/{layer}/clipped_heads``,
+            and per head the factor ``min(1, tau / max_logit)``,
+            ``attn_qk_clip_heads/{layer}/head_{h}/factor``. Needs ``max_logit``.
 
     The mass diagnostics, max logit and distance are measured on validation
-    batches only (see :class:`MassDiagnostics` and :class:`StatisticsUpdate`).
+    batches only (see :class:`MassDiagnostics` and :class:`StatisticsUpdate`);
+    the max-logit bound on every recorded batch.
 
     Raises:
         TypeError, ValueError: a bad option, named.
@@ -75,12 +91,24 @@ class Statistics:
     leakage: bool = False
     max_logit: bool = False
     distance: bool = False
+    max_logit_bound: bool = False
+    self_check: SelfCheck | None = field(default_factory=SelfCheck)
+    clip_threshold: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_logit", "distance"):
+        for name in ("max_logit", "distance", "max_logit_bound"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"Expected `{name}` to be a bool, got {type(value).__name__} {value!r}.")
+        if self.self_check is not None and not isinstance(self.self_check, SelfCheck):
+            raise TypeError(f"Expected `self_check` to be a SelfCheck or None, got {type(self.self_check).__name__}.")
+        if self.clip_threshold is not None:
+            check_clip_threshold(self.clip_threshold, "clip_threshold")
+            if not self.max_logit:
+                raise ValueError(
+                    f"`clip_threshold={self.clip_threshold!r}` needs `Statistics(max_logit=True)`: the QK-Clip dry "
+                    "run reads each head's max logit."
+                )
         checked = MassDiagnostics(sink_tokens=self.sink_tokens, eviction=self.eviction, leakage=self.leakage)
         object.__setattr__(self, "eviction", tuple(checked.eviction))
         object.__setattr__(self, "leakage", checked.leakage)
@@ -99,15 +127,17 @@ class Statistics:
 
 @dataclass
 class Stream:
-    """The metrics one purpose fills: entropy, and mass diagnostics and head statistics where asked for."""
+    """The metrics one purpose fills: entropy (and its max-logit bound), mass diagnostics and head statistics."""
 
     entropy: AttentionEntropy
     diagnostics: MassDiagnostics | None = None
     statistics: StatisticsUpdate | None = None
+    bound: LogitBound | None = None
+    check: FastPathCheck | None = None
     update: EntropyUpdate = field(init=False)
 
     def __post_init__(self) -> None:
-        self.update = EntropyUpdate(self.entropy)
+        self.update = EntropyUpdate(self.entropy, bound=self.bound, check=self.check)
 
     @property
     def consumers(self) -> list[Consumer]:
@@ -173,6 +203,8 @@ class Recorder:
         self.num_bins = num_bins
         # One set of layer warnings for every stream: a layer is named once, not once per dataloader.
         self._statistics_warnings = WarnOnce()
+        #: The self-check of the fast path, shared by every stream (None: off).
+        self.check = None if self.statistics.self_check is None else FastPathCheck(self.statistics.self_check)
         self.capture: AttentionCapture | None = None
         self.streams: dict[Hashable, Stream] = {}
         self._device = torch.device("cpu")
@@ -205,6 +237,8 @@ class Recorder:
     def reset(self) -> None:
         """Drop every stream and what it holds (partial counts of a run that failed): the next starts from zero."""
         self.streams.clear()
+        if self.check is not None:
+            self.check.reset()
 
     def release(self) -> None:
         """Remove the capture's hooks; the streams stay."""
@@ -233,7 +267,8 @@ class Recorder:
                     distance=asked.distance,
                     warn_once=self._statistics_warnings,
                 )
-            self.streams[key] = Stream(entropy.to(self._device), masses, statistics)
+            bound = LogitBound().to(self._device) if asked.max_logit_bound else None
+            self.streams[key] = Stream(entropy.to(self._device), masses, statistics, bound, self.check)
         return self.streams[key]
 
     @contextmanager
@@ -246,6 +281,8 @@ class Recorder:
         if self.capture is None:
             raise RuntimeError("Attach the recorder to a model before recording.")
         stream = self.stream(key, diagnostics=diagnostics)
+        if self.check is not None:
+            self.check.start_batch()
         with self.capture.recording(self.padding_mask(batch), self.document_ids(batch), consumers=stream.consumers):
             yield
 
@@ -278,8 +315,17 @@ class Recorder:
         statistics = self.stream(key).statistics
         return None if statistics is None else _compute(statistics.metric)
 
+    def collect_bound(self, key: Hashable) -> LogitBoundSummary | None:
+        """Compute and reset the max-logit bound of the stream ``key`` (a collective under DDP).
 
-def _compute(metric: AttentionEntropy | AttentionMass | AttentionStatistics) -> Any:
+        Returns:
+            None when the bound is off or nothing was recorded.
+        """
+        bound = self.stream(key).bound
+        return None if bound is None else _compute(bound)
+
+
+def _compute(metric: AttentionEntropy | AttentionMass | AttentionStatistics | LogitBound) -> Any:
     """``metric.compute()`` on every rank, then reset; None when no rank holds a layer."""
     with warnings.catch_warnings():
         # A rank (or a run) that recorded nothing still takes part in the sync; that is expected here.

@@ -1097,3 +1097,51 @@ def test_isolating_mask_leaks_exactly_zero(probs: bool) -> None:
     index = summary.layers.index("leakage/attn")
     assert summary.count[index].sum() > 0
     assert float(summary.stats("sum")[index].abs().max()) == 0.0
+
+
+# =========================================================================== sink rate
+
+
+def test_sink_rate_matches_the_float64_share_of_sink_heads() -> None:
+    """Per layer the share of heads whose mean sink mass exceeds eps, against the reference per-query masses.
+
+    eps is set between the heads' reference means of a layer (so the share is neither 0 nor 1), and the
+    default eps = 0.3 is read from the logged name. Fails when the heads' medians stand in for their
+    means; the next test fails when the share is over all head slots instead of heads with a counted query.
+    """
+    model = PackedGPT(isolate=True).eval()
+    batches = [make_batch(PACKED, seed) for seed in (1, 2)]
+    diagnostics = MassDiagnostics(sink_tokens=2)
+    with AttentionCapture(model) as capture, torch.no_grad():
+        capture.consumers.append(diagnostics)
+        for batch in batches:
+            with capture.recording(batch["attention_mask"], batch["document_ids"]):
+                model(batch["input_ids"], batch["attention_mask"], batch["document_ids"])
+    summary = diagnostics.metric.compute()
+    reference = packed_gpt_reference(model, batches, sink_tokens=2, policies=[], leakage=False, use_documents=True)
+    names = summary.to_dict()
+    spread = False
+    for key, values in reference.items():
+        index = summary.layers.index(key)
+        head_means = sorted(float(values[h].mean()) for h in range(values.shape[0]))
+        eps = (head_means[0] + head_means[-1]) / 2
+        spread |= head_means[-1] - head_means[0] > 0.02
+        want = sum(mean > eps for mean in head_means) / len(head_means)
+        assert float(summary.head_share_above(eps)[index]) == pytest.approx(want)
+        default = sum(mean > 0.3 for mean in head_means) / len(head_means)
+        assert names[f"attn_{key}/sink_rate"] == pytest.approx(default)
+    assert spread, "the heads' sink masses are too alike to tell a wrong share apart"
+    assert not any(name.endswith("/sink_rate") for name in summary.to_dict(sink_threshold=None))
+
+
+def test_sink_rate_counts_only_heads_with_queries_and_rejects_bad_thresholds() -> None:
+    metric = AttentionMass({"sink_mass/a": 3})
+    mass = torch.tensor([[[0.9, 0.8], [0.1, 0.2], [0.5, 0.5]]])
+    metric.update("sink_mass/a", mass, torch.tensor([[[True, True], [True, True], [False, False]]]))
+    metric.update("leakage/a", mass)
+    summary = metric.compute()
+    assert summary.head_share_above(0.3).tolist() == [0.5, 2 / 3]
+    assert "attn_leakage/a/sink_rate" not in summary.to_dict()
+    for bad in (-0.1, 1.0, math.nan, True):
+        with pytest.raises(ValueError, match="mass `threshold`"):
+            summary.head_share_above(bad)

@@ -517,3 +517,117 @@ def test_training_steps_get_no_statistics(tmp_path: Path) -> None:
     assert not any(name.startswith("attn_max_logit") for name in logged)
     assert len(memory.steps_of(f"attn_distance/{lm.GPT_LAYERS[0]}/mean")) == 1
     assert monitor.core.recorder.streams["train"].statistics is None  # not computed either
+
+
+# --------------------------------------------------------------------------- QK-Clip dry run
+
+
+def test_clip_dry_run_matches_the_reference_factors() -> None:
+    """Per head min(1, tau / max logit) and per layer the heads above tau, from the float64 reference max logits.
+
+    tau sits between the heads' reference maxima, so some heads clip and some do not; the test fails when
+    the factor is inverted (max / tau), when heads at tau count as clipped, or when heads with no counted
+    query count (checked by breaking each, then restoring).
+    """
+    torch.manual_seed(0)
+    model = lm.TinyGPT()
+    with torch.no_grad():
+        for block in model.blocks:
+            models.sharpen(block.attn.c_attn.weight, lm.HIDDEN, 3.0)
+    batches = list(lm.make_batches(2, seed=5))
+    update = StatisticsUpdate(distance=False)
+    evaluate_attention(model, batches, consumers=[update])
+    summary = update.metric.compute()
+    expected = {layer: pooled.head_max() for layer, pooled in tiny_gpt_reference(model.state_dict(), batches).items()}
+    maxima = sorted(value for values in expected.values() for value in values)
+    tau = (maxima[len(maxima) // 2 - 1] + maxima[len(maxima) // 2]) / 2
+    assert maxima[0] < tau < maxima[-1] and maxima[-1] / tau > 1.05, maxima
+    names = summary.to_dict(clip_threshold=tau)
+    for index, (layer, head_max) in enumerate(expected.items()):
+        factors = [min(1.0, tau / value) for value in head_max]
+        assert summary.clip_factors(tau)[index, : len(factors)].tolist() == pytest.approx(factors, rel=TOL)
+        clipped = sum(value > tau for value in head_max)
+        assert float(summary.clipped_heads(tau)[index]) == clipped
+        assert names[f"attn_qk_clip/{layer}/clipped_heads"] == clipped
+        for head, factor in enumerate(factors):
+            assert names[f"attn_qk_clip_heads/{layer}/head_{head}/factor"] == pytest.approx(factor, rel=TOL)
+    assert "attn_qk_clip/" not in " ".join(summary.to_dict())  # off unless a threshold is given
+
+
+def test_clip_dry_run_is_exact_over_head_shards_and_merges() -> None:
+    """Heads split over two ranks at their global offsets, and batches split over two metrics, give the
+    factors of one metric that saw everything; a layer or head with nothing counted has NaN, never 1."""
+    logits, _, sample = _random_call(3, batch=4, heads=4)
+    whole = AttentionStatistics()
+    whole.update("layer.0", max_logit=logits, is_sample=sample)
+    shards = [AttentionStatistics(), AttentionStatistics()]
+    shards[0].update("layer.0", max_logit=logits[:2, :2], is_sample=sample[:2], head_offset=0, num_heads=4)
+    shards[1].update("layer.0", max_logit=logits[2:, 2:], is_sample=sample[2:], head_offset=2, num_heads=4)
+    shards[0].update("layer.0", max_logit=logits[2:, :2], is_sample=sample[2:], head_offset=0, num_heads=4)
+    shards[1].update("layer.0", max_logit=logits[:2, 2:], is_sample=sample[:2], head_offset=2, num_heads=4)
+    shards[0].merge_state(shards[1])
+    reference_max = [
+        max(float(v) for v, s in zip(logits[:, h].flatten(), sample.expand(4, 4, 7)[:, h].flatten(), strict=True) if s)
+        for h in range(4)
+    ]
+    tau = sorted(reference_max)[1] + 1e-3
+    expected = [min(1.0, tau / value) for value in reference_max]
+    for metric in (whole, shards[0]):
+        assert metric.compute().clip_factors(tau)[0].tolist() == pytest.approx(expected, rel=1e-12)
+    empty = AttentionStatistics({"layer.0": 2})
+    empty.update("layer.0", max_logit=torch.tensor([[[500.0], [1.0]]]), is_sample=torch.tensor([[[True], [False]]]))
+    assert empty.compute().clip_factors(100.0)[0, 0] == pytest.approx(0.2)
+    assert empty.compute().clip_factors(100.0)[0, 1].isnan() and float(empty.compute().clipped_heads(100.0)[0]) == 1
+    for bad in (0.0, -1.0, math.inf, math.nan, True):
+        with pytest.raises(ValueError, match="clip `threshold`"):
+            empty.compute().clip_factors(bad)
+
+
+def test_fit_logs_the_clip_dry_run_to_tensorboard_and_the_summary(tmp_path: Path) -> None:
+    """``Statistics(clip_threshold=tau)`` in a real fit: the clip names read back from TensorBoard (and the
+    per-layer count in ``trainer.callback_metrics``) equal min(1, tau / max logit) of the float64 reference
+    and the heads above tau.
+
+    tau sits between the heads' reference maxima (some clip, some do not). Fails when the core does not pass the
+    threshold on (no clip names), or when the factors are not the reference's (checked by breaking each).
+    """
+    model = lm.TinyGPT(lr=0.0)
+    with torch.no_grad():
+        for block in model.blocks:
+            models.sharpen(block.attn.c_attn.weight, lm.HIDDEN, 3.0)
+    batches = list(lm.make_batches(2, seed=6))
+    expected = {layer: pooled.head_max() for layer, pooled in tiny_gpt_reference(model.state_dict(), batches).items()}
+    maxima = sorted(value for values in expected.values() for value in values)
+    tau = (maxima[len(maxima) // 2 - 1] + maxima[len(maxima) // 2]) / 2
+    assert maxima[0] < tau < maxima[-1] and maxima[-1] / tau > 1.05, maxima
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    monitor = AttentionEntropyMonitor(
+        batches=2,
+        statistics=Statistics(max_logit=True, clip_threshold=tau),
+        log=LogOptions(histogram_bins=None, heatmap=False),
+    )
+    trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor], max_epochs=1, limit_train_batches=1)
+    trainer.fit(model, lm.loader(lm.make_batches(1, seed=1)), lm.loader(batches))
+    step = 0  # lr 0, one training batch: validation logged at step 0 with the initial weights
+    logged = tb_scalars_at(read_tensorboard(logger.log_dir), step, "attn_qk_clip")
+    for layer, head_max in expected.items():
+        clipped = float(sum(value > tau for value in head_max))
+        assert logged[f"attn_qk_clip/{layer}/clipped_heads"] == clipped
+        assert float(trainer.callback_metrics[f"attn_qk_clip/{layer}/clipped_heads"]) == clipped
+        for head, value in enumerate(head_max):
+            name = f"attn_qk_clip_heads/{layer}/head_{head}/factor"
+            assert logged[name] == pytest.approx(min(1.0, tau / value), rel=TOL)
+    assert len(logged) == len(expected) * (1 + lm.HEADS)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        (lambda: Statistics(clip_threshold=100.0), ValueError, "needs `Statistics\\(max_logit=True\\)`"),
+        (lambda: Statistics(max_logit=True, clip_threshold=0.0), ValueError, "clip `clip_threshold`.*got 0.0"),
+        (lambda: Statistics(max_logit=True, clip_threshold="100"), ValueError, "clip `clip_threshold`"),  # type: ignore[arg-type]
+    ],
+)
+def test_clip_threshold_is_checked_early(options: Callable[[], object], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        options()

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "attn_monitor"
 LAYERS = {
     **dict.fromkeys(("shared", "names"), 0),
     **dict.fromkeys(("masks", "functional", "flex"), 1),
-    "metric": 2,
+    **dict.fromkeys(("metric", "bound"), 2),
     **dict.fromkeys(
         (
             "calls",
@@ -31,6 +31,7 @@ LAYERS = {
             "consumers",
             "diagnostics",
             "head_stats",
+            "selfcheck",
         ),
         3,
     ),

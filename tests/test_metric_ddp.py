@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from attn_monitor import AttentionEntropy, AttentionMass, EntropySummary
-from attn_monitor.functional import attention_distance, attention_max_logit
+from attn_monitor.bound import LogitBound
+from attn_monitor.functional import attention_distance, attention_lse_entropy, attention_max_logit
 from attn_monitor.head_stats import AttentionStatistics
 from attn_monitor.masks import Support
 from attn_monitor.metric import LayerMetric
@@ -36,6 +37,8 @@ from tests.processes import launch
 from tests.test_metric import Peak
 
 WORLD_SIZE = 2
+#: The QK-Clip dry run's tau in the statistics shards: between the heads' maxima of the union.
+CLIP_TAU = 4.0
 MAX_COLLECTIVES = 3
 CONFIG = {"num_bins": 50, "nats_bins": 40, "max_keys": 16}
 DECLARED = {"declared": 3}
@@ -264,7 +267,16 @@ def _run_scenarios(rank: int) -> dict[str, Any]:
             name: getattr(summary, name).clone()
             for name in ("max_logit", "layer_max_logit", "logit_count", "distance", "distance_count")
         },
+        "clip_factors": summary.clip_factors(CLIP_TAU),
+        "clipped_heads": summary.clipped_heads(CLIP_TAU),
     }
+
+    bound = LogitBound()
+    for layer, q, k, padding in _statistics_shard(rank):
+        support = Support(q.shape[2], k.shape[2], padding_mask=torch.tensor(padding), causal=True)
+        bound.update(layer, *attention_lse_entropy(q, k, mask=support), support.is_sample())
+    bounds = bound.compute()
+    out["bound"] = {"layers": bounds.layers, "lower": bounds.lower, "upper": bounds.upper, "count": bounds.count}
 
     mass = AttentionMass(num_bins=20)
     for key, values, is_sample in _mass_shard(rank):
@@ -407,7 +419,7 @@ def test_max_logit_and_distance_equal_the_float64_reference_on_the_union(ranks: 
     float64 over its support (tests/reference.py), from both ranks' calls,
     and pools them per (layer, head) in plain Python. Fails when the max
     fields are summed instead of maxed across ranks (the per-rank maxima of
-    layer "both" differ, and the layers one rank lacks hold -inf there).
+    layer "both" differ, and the layers one rank lacks hold -inf there), and the QK-Clip dry run with them.
     """
     # layer -> head -> rank -> the counted queries' values
     logits: dict[str, list[list[list[float]]]] = {}
@@ -437,6 +449,41 @@ def test_max_logit_and_distance_equal_the_float64_reference_on_the_union(ranks: 
             assert got["max_logit"][index].tolist() == pytest.approx(want_max, rel=1e-5, abs=1e-5), layer
             assert float(got["layer_max_logit"][index]) == pytest.approx(max(want_max), rel=1e-5, abs=1e-5)
             assert got["distance"][index].tolist() == pytest.approx(want_distance, rel=1e-4, abs=1e-4), layer
+            # The QK-Clip dry run of the union: some heads clip, some do not.
+            factors = [min(1.0, CLIP_TAU / value) for value in want_max]
+            assert got["clip_factors"][index].tolist() == pytest.approx(factors, rel=1e-5), layer
+            assert float(got["clipped_heads"][index]) == sum(value > CLIP_TAU for value in want_max), layer
+    union_maxima = [max(v for per_rank in head for v in per_rank) for layer in logits.values() for head in layer]
+    assert min(union_maxima) < CLIP_TAU < max(union_maxima), union_maxima
+
+
+def test_max_logit_bound_is_the_reference_bracket_of_the_union(ranks: list[dict[str, Any]]) -> None:
+    """The bound's ends are maxed across ranks: every rank gets max (lse - H) and max lse over the union's
+    counted queries (float64 reference), and the union's max logit lies between them. Fails when the ends
+    are summed across ranks, or when a layer one rank lacks (-inf there) leaks into the other's ends."""
+    ends: dict[str, list[tuple[list[float], list[float], list[float]]]] = {}
+    for rank in range(WORLD_SIZE):
+        for layer, q, k, padding in _statistics_shard(rank):
+            batch, heads, length, _ = q.shape
+            spec = reference.MaskSpec(batch, heads, length, length, padding=padding, causal=True)
+            dense, counted = reference.dense_support(spec), reference.is_sample(spec)
+            lse, entropy = reference.lse_from_qk(q, k, dense), reference.entropy_from_qk(q, k, dense)
+            peak = reference.max_logit_from_qk(q, k, dense)
+            per_head = ends.setdefault(layer, [([], [], []) for _ in range(heads)])
+            for head in range(heads):
+                rows = counted[:, head]
+                per_head[head][0].extend((lse - entropy)[:, head][rows].tolist())
+                per_head[head][1].extend(lse[:, head][rows].tolist())
+                per_head[head][2].extend(peak[:, head][rows].tolist())
+    for rank in ranks:
+        got = rank["bound"]
+        assert got["layers"] == ["both", "only0", "only1"]
+        for index, layer in enumerate(got["layers"]):
+            lower, upper, peaks = ([max(values) for values in column] for column in zip(*ends[layer], strict=True))
+            assert got["lower"][index].tolist() == pytest.approx(lower, rel=1e-5, abs=1e-5), layer
+            assert got["upper"][index].tolist() == pytest.approx(upper, rel=1e-5, abs=1e-5), layer
+            assert all(lo - 1e-5 <= p <= up + 1e-5 for lo, p, up in zip(lower, peaks, upper, strict=True)), layer
+            assert got["count"][index].tolist() == [len(values[0]) for values in ends[layer]], layer
 
 
 def test_attention_mass_syncs_by_name_with_nonfinite(ranks: list[dict[str, Any]]) -> None:
