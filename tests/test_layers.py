@@ -19,7 +19,7 @@ LAYERS = {
     **dict.fromkeys(("masks", "functional", "flex"), 1),
     "metric": 2,
     **dict.fromkeys(("calls", "eager", "hf_interface", "capture", "consumers", "diagnostics", "head_stats"), 3),
-    **dict.fromkeys(("loggers", "figures", "alerts", "comparison"), 4),
+    **dict.fromkeys(("loggers", "figures", "alerts", "comparison", "display", "digest"), 4),
     **dict.fromkeys(("schedule", "recording", "callback"), 5),
     **dict.fromkeys(("__init__", "__main__"), 6),
 }
