@@ -12,13 +12,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from attn_monitor.alerts import CollapseAlert, MaxLogitAlert, OverloadAlert
     from attn_monitor.callback import AttentionEntropyMonitor
     from attn_monitor.calls import AttentionCall
     from attn_monitor.capture import AttentionCapture, evaluate_attention
     from attn_monitor.comparison import Comparison, compare, load_summary, save_summary
+    from attn_monitor.core import MonitorCore
     from attn_monitor.diagnostics import MassDiagnostics
     from attn_monitor.eager import probabilities_at
     from attn_monitor.functional import (
+        KeyShardStatistics,
         attention_distance,
         attention_entropy,
         attention_lse,
@@ -26,12 +29,18 @@ if TYPE_CHECKING:
         entropy_from_logits,
         entropy_from_qk,
         histogram_quantile,
+        key_shard_statistics,
         mass_fraction,
+        merge_key_shards,
         normalize_entropy,
     )
     from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate, distance_from_probs
+    from attn_monitor.loggers import LogOptions
     from attn_monitor.masks import Support
     from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
+    from attn_monitor.parallel import declare_heads
+    from attn_monitor.recording import Statistics
+    from attn_monitor.schedule import Batches
 
 __all__ = [
     "AttentionCall",
@@ -40,10 +49,18 @@ __all__ = [
     "AttentionEntropyMonitor",
     "AttentionMass",
     "AttentionStatistics",
+    "Batches",
+    "CollapseAlert",
     "Comparison",
     "EntropySummary",
+    "KeyShardStatistics",
+    "LogOptions",
     "MassDiagnostics",
     "MassSummary",
+    "MaxLogitAlert",
+    "MonitorCore",
+    "OverloadAlert",
+    "Statistics",
     "StatisticsSummary",
     "StatisticsUpdate",
     "Support",
@@ -52,13 +69,16 @@ __all__ = [
     "attention_lse",
     "attention_max_logit",
     "compare",
+    "declare_heads",
     "distance_from_probs",
     "entropy_from_logits",
     "entropy_from_qk",
     "evaluate_attention",
     "histogram_quantile",
+    "key_shard_statistics",
     "load_summary",
     "mass_fraction",
+    "merge_key_shards",
     "normalize_entropy",
     "probabilities_at",
     "save_summary",
@@ -67,6 +87,11 @@ __all__ = [
 #: Public name -> the module that defines it.
 _HOMES = {
     "AttentionEntropyMonitor": "callback",
+    **dict.fromkeys(("CollapseAlert", "MaxLogitAlert", "OverloadAlert"), "alerts"),
+    "Batches": "schedule",
+    "LogOptions": "loggers",
+    "MonitorCore": "core",
+    "Statistics": "recording",
     "AttentionCall": "calls",
     **dict.fromkeys(("AttentionCapture", "evaluate_attention"), "capture"),
     "probabilities_at": "eager",
@@ -74,6 +99,7 @@ _HOMES = {
     "MassDiagnostics": "diagnostics",
     **dict.fromkeys(
         (
+            "KeyShardStatistics",
             "attention_distance",
             "attention_entropy",
             "attention_lse",
@@ -81,7 +107,9 @@ _HOMES = {
             "entropy_from_logits",
             "entropy_from_qk",
             "histogram_quantile",
+            "key_shard_statistics",
             "mass_fraction",
+            "merge_key_shards",
             "normalize_entropy",
         ),
         "functional",
@@ -90,6 +118,7 @@ _HOMES = {
         ("AttentionStatistics", "StatisticsSummary", "StatisticsUpdate", "distance_from_probs"), "head_stats"
     ),
     "Support": "masks",
+    "declare_heads": "parallel",
     **dict.fromkeys(("AttentionEntropy", "AttentionMass", "EntropySummary", "MassSummary"), "metric"),
 }
 

@@ -2,15 +2,16 @@
 that grow past a threshold, documents that leak.
 
 Each alert reads a summary, returns what to log and warns once per finding;
-it never touches a trainer (the callback decides whether to stop).
+it never touches a trainer: a :class:`CollapseAlert` with ``stop=True``
+asks the monitor to stop, and the training loop's adapter does.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -21,13 +22,89 @@ from attn_monitor.shared import WarnOnce
 if TYPE_CHECKING:
     from attn_monitor.head_stats import StatisticsSummary
 
-__all__ = ["LEAKAGE_TOLERANCE", "CollapseAlert", "LeakageAlert", "MaxLogitAlert", "OverloadAlert"]
+__all__ = ["LEAKAGE_TOLERANCE", "Alert", "CollapseAlert", "LeakageAlert", "MaxLogitAlert", "OverloadAlert"]
 
 #: Mean leakage above this (per layer) means packed documents see each other.
 LEAKAGE_TOLERANCE = 1e-4
 
 
-class CollapseAlert:
+class Alert:
+    """What the head alerts share: the summary they read, how they warn, whether a finding stops training.
+
+    Args:
+        prefix: first component of the returned names.
+        warn: ``warn(message, stacklevel=...)``, :func:`warnings.warn` by default.
+    """
+
+    #: The summary an alert reads: ``"entropy"`` (:class:`EntropySummary`) or ``"statistics"``.
+    reads: ClassVar[str] = "entropy"
+    #: Whether a finding asks the monitor to stop training.
+    stop: bool = False
+    #: The settings :meth:`__repr__` shows.
+    _shown: ClassVar[tuple[str, ...]] = ("threshold",)
+
+    def __init__(self, prefix: str, warn: Callable[..., object]) -> None:
+        self.prefix = prefix
+        #: Whether the last call flagged any head.
+        self.flagged = False
+        self.bind(warn)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the alert checks anything."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{name}={getattr(self, name)!r}' for name in self._shown)})"
+
+    def bind(self, warn: Callable[..., object], prefix: str | None = None) -> None:
+        """Warn through ``warn`` from now on (the monitor's: rank zero, and W&B alerts), and name with ``prefix``."""
+        self._warn = warn
+        self._warn_once = WarnOnce(warn)
+        if prefix is not None:
+            self.prefix = prefix
+
+    def reset(self) -> None:
+        """Forget what a run learnt (baselines): a new run starts from zero."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a run learnt, for a checkpoint (lists, so ``torch.load(weights_only=True)`` reads it)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (keys it does not hold are left alone)."""
+
+    def _flag_heads(
+        self,
+        summary: EntropySummary | StatisticsSummary,
+        flagged: Tensor,
+        count: str,
+        key: Hashable,
+        message: Callable[[str, int, list[int]], str],
+    ) -> dict[str, float]:
+        """``{prefix}/{layer}/{count}`` -> flagged heads of each layer; one warning per newly flagged layer.
+
+        ``message(layer, layer index, new heads)`` says what was found; a head
+        warns once per ``key`` (e.g. a dataloader), however often it is flagged.
+        """
+        self.flagged = bool(flagged.any())
+        flags = {}
+        for index, layer in enumerate(summary.layers):
+            heads = [h for h in range(summary.num_heads[index]) if flagged[index, h]]
+            flags[f"{self.prefix}/{layer}/{count}"] = float(len(heads))
+            unseen = set(self._warn_once.unseen((key, layer, h) for h in heads))
+            new = [h for h in heads if (key, layer, h) in unseen]
+            if new:
+                self._warn(message(layer, index, new), stacklevel=3)
+        return flags
+
+
+def _check_level(alert: str, name: str, value: float | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+        raise ValueError(f"Expected `{name}` of {alert} in [0, 1] or None, got {value!r}.")
+
+
+class CollapseAlert(Alert):
     """Flag heads whose median normalised entropy fell below a threshold or dropped by a fraction.
 
     The first summary a key (e.g. a dataloader) sees is its baseline for
@@ -38,6 +115,8 @@ class CollapseAlert:
         threshold: flag heads whose median is below this (None: off).
         drop: flag heads whose median fell by more than this fraction of its
             baseline (None: off).
+        stop: ask the monitor to stop training when a head is flagged
+            (default: warn and log only).
         prefix: first component of the returned names.
         warn: ``warn(message, stacklevel=...)``, :func:`warnings.warn` by default.
 
@@ -63,29 +142,42 @@ class CollapseAlert:
         (True, 1)
     """
 
+    _shown = ("threshold", "drop", "stop")
+
     def __init__(
         self,
-        *,
         threshold: float | None = None,
         drop: float | None = None,
+        *,
+        stop: bool = False,
         prefix: str = "attn_entropy",
         warn: Callable[..., object] = warnings.warn,
     ) -> None:
-        for name, value in (("collapse_threshold", threshold), ("collapse_drop", drop)):
-            if value is not None and not 0.0 <= value <= 1.0:
-                raise ValueError(f"Expected `{name}` in [0, 1] or None, got {value!r}.")
+        _check_level("CollapseAlert", "threshold", threshold)
+        _check_level("CollapseAlert", "drop", drop)
+        super().__init__(prefix, warn)
         self.threshold = threshold
         self.drop = drop
-        self.prefix = prefix
-        #: Whether the last call flagged any head.
-        self.flagged = False
+        self.stop = bool(stop)
+        #: The first summary of each key: the reference for ``drop``.
         self.baselines: dict[Hashable, Tensor] = {}
-        self._warn = warn
-        self._warn_once = WarnOnce(warn)
 
     @property
     def enabled(self) -> bool:
         return self.threshold is not None or self.drop is not None
+
+    def reset(self) -> None:
+        self.baselines = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The baselines of the validation dataloaders, as ``first_medians``."""
+        return {"first_medians": {key: value.tolist() for key, value in self.baselines.items() if isinstance(key, int)}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        first = state.get("first_medians") or {}
+        if isinstance(first, list):  # one validation dataloader, as saved before per-dataloader baselines
+            first = {0: first}
+        self.baselines = {int(k): torch.tensor(v, dtype=torch.float64) for k, v in first.items()}
 
     def __call__(self, summary: EntropySummary, key: Hashable = 0) -> dict[str, float]:
         """``{prefix}/{layer}/collapsed_heads`` of ``summary``; warns once per newly flagged head of ``key``."""
@@ -108,13 +200,10 @@ class CollapseAlert:
                 f"threshold {self.threshold}, allowed drop {self.drop})."
             )
 
-        self.flagged = bool(flagged.any())
-        return _flag_heads(
-            summary, flagged, (self.prefix, "collapsed_heads"), key, self._warn, self._warn_once, message
-        )
+        return self._flag_heads(summary, flagged, "collapsed_heads", key, message)
 
 
-class OverloadAlert:
+class OverloadAlert(Alert):
     """Flag heads whose median normalised entropy stays above a threshold (near-uniform attention).
 
     The mirror of :class:`CollapseAlert`: a head that spreads its attention
@@ -149,17 +238,18 @@ class OverloadAlert:
 
     def __init__(
         self,
-        *,
         threshold: float | None = None,
+        *,
         prefix: str = "attn_entropy",
         warn: Callable[..., object] = warnings.warn,
     ) -> None:
-        if threshold is not None and (isinstance(threshold, bool) or not 0.0 <= threshold <= 1.0):
-            raise ValueError(f"Expected `overload_threshold` in [0, 1] or None, got {threshold!r}.")
+        _check_level("OverloadAlert", "threshold", threshold)
+        super().__init__(prefix, warn)
         self.threshold = threshold
-        self.prefix = prefix
-        self._warn = warn
-        self._warn_once = WarnOnce(warn)
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold is not None
 
     def __call__(self, summary: EntropySummary, key: Hashable = 0) -> dict[str, float]:
         """``{prefix}/{layer}/overloaded_heads`` of ``summary``; warns once per newly flagged head of ``key``."""
@@ -174,12 +264,10 @@ class OverloadAlert:
                 f"{[round(float(medians[index, h]), 3) for h in new]} above the overload threshold {self.threshold}."
             )
 
-        return _flag_heads(
-            summary, flagged, (self.prefix, "overloaded_heads"), key, self._warn, self._warn_once, message
-        )
+        return self._flag_heads(summary, flagged, "overloaded_heads", key, message)
 
 
-class MaxLogitAlert:
+class MaxLogitAlert(Alert):
     """Flag heads whose maximum attention logit exceeds a threshold (QK-clip style).
 
     Reads a :class:`~attn_monitor.head_stats.StatisticsSummary`. Each flagged
@@ -209,21 +297,25 @@ class MaxLogitAlert:
         1
     """
 
+    reads = "statistics"
+
     def __init__(
         self,
-        *,
         threshold: float | None = None,
+        *,
         prefix: str = "attn_max_logit",
         warn: Callable[..., object] = warnings.warn,
     ) -> None:
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
-            raise TypeError(f"Expected `max_logit_threshold` to be a number or None, got {threshold!r}.")
+            raise TypeError(f"Expected `threshold` of MaxLogitAlert to be a number or None, got {threshold!r}.")
         if threshold is not None and math.isnan(threshold):
-            raise ValueError("Expected `max_logit_threshold` to be a number or None, got nan.")
+            raise ValueError("Expected `threshold` of MaxLogitAlert to be a number or None, got nan.")
+        super().__init__(prefix, warn)
         self.threshold = threshold
-        self.prefix = prefix
-        self._warn = warn
-        self._warn_once = WarnOnce(warn)
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold is not None
 
     def __call__(self, summary: StatisticsSummary, key: Hashable = 0) -> dict[str, float]:
         """``{prefix}/{layer}/over_threshold_heads`` of ``summary``; warns once per newly flagged head of ``key``."""
@@ -238,40 +330,14 @@ class MaxLogitAlert:
                 f"{[round(float(peaks[index, h]), 2) for h in new]} above the threshold {self.threshold}."
             )
 
-        name = (self.prefix, "over_threshold_heads")
-        flags = _flag_heads(summary, flagged, name, key, self._warn, self._warn_once, message)
+        flags = self._flag_heads(summary, flagged, "over_threshold_heads", key, message)
         # Layers that returned probabilities have no max logit: no count either.
         measured = summary.logit_count.sum(-1) > 0
         return {
-            f"{self.prefix}/{layer}/{name[1]}": flags[f"{self.prefix}/{layer}/{name[1]}"]
-            for index, layer in enumerate(summary.layers)
+            name: flags[name]
+            for index, name in enumerate(f"{self.prefix}/{layer}/over_threshold_heads" for layer in summary.layers)
             if measured[index]
         }
-
-
-def _flag_heads(
-    summary: EntropySummary | StatisticsSummary,
-    flagged: Tensor,
-    name: tuple[str, str],
-    key: Hashable,
-    warn: Callable[..., object],
-    warn_once: WarnOnce,
-    message: Callable[[str, int, list[int]], str],
-) -> dict[str, float]:
-    """``{family}/{layer}/{count}`` (``name``) -> flagged heads of each layer; one warning per newly flagged layer.
-
-    ``message(layer, layer index, new heads)`` says what was found; a head
-    warns once per ``key`` (e.g. a dataloader), however often it is flagged.
-    """
-    flags = {}
-    for index, layer in enumerate(summary.layers):
-        heads = [h for h in range(summary.num_heads[index]) if flagged[index, h]]
-        flags[f"{name[0]}/{layer}/{name[1]}"] = float(len(heads))
-        unseen = set(warn_once.unseen((key, layer, h) for h in heads))
-        new = [h for h in heads if (key, layer, h) in unseen]
-        if new:
-            warn(message(layer, index, new), stacklevel=3)
-    return flags
 
 
 class LeakageAlert:

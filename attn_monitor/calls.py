@@ -1,10 +1,12 @@
 """What one attention call is, as the capture hands it to its consumers.
 
-An :class:`AttentionCall` holds the queries and keys (or the probabilities) of
-one attention call and the support the model's own mask implies; readers of
-each attention path (:mod:`attn_monitor.capture` for SDPA and
-``nn.MultiheadAttention``, :mod:`attn_monitor.eager` for probability
-outputs, :mod:`attn_monitor.flex`, :mod:`attn_monitor.hf_interface`) make
+An :class:`AttentionCall` holds the queries and keys (or the probabilities,
+or an eager softmax's logits) of one attention call and the support the
+model's own mask implies; readers of each attention path
+(:mod:`attn_monitor.capture` for SDPA and ``nn.MultiheadAttention``,
+:mod:`attn_monitor.softmax` for eager softmax inputs,
+:mod:`attn_monitor.eager` for probability outputs, :mod:`attn_monitor.flex`,
+:mod:`attn_monitor.hf_interface`) make
 them, consumers (:mod:`attn_monitor.consumers`, the mass diagnostics, the
 per-head statistics) read them.
 """
@@ -27,8 +29,8 @@ __all__ = ["Adapter", "AttentionCall", "Consumer"]
 class AttentionCall:
     """One attention call, as much of it as entropy needs.
 
-    Either ``q`` and ``k`` (logits ``scale * q k^T`` over the support) or
-    ``probs`` is set.
+    Either ``q`` and ``k`` (logits ``scale * q k^T`` over the support), or
+    ``probs``, or ``logits`` with ``probs`` is set.
 
     Attributes:
         layer: the owning module's qualified name in the model.
@@ -45,10 +47,18 @@ class AttentionCall:
         self_attention: whether the keys are the query tokens themselves.
             None (adapters may leave it): the capture decides (see the
             module docstring).
+        logits: (batch, heads, seq_q, seq_k) the input of an eager module's own
+            softmax, every mask the module applied included (``probs`` then
+            holds that softmax's output), detached; entropy and max logit are
+            taken of these.
         score_mod: with ``q`` and ``k``, FlexAttention's
             ``score_mod(score, b, h, q_idx, kv_idx)`` applied to the scaled
             logits before the softmax (a flex ``score_mod``, Gemma-style
             soft-capping); None: the logits are ``scale * q k^T``.
+        head_offset: the layer's head this call's first head is (tensor
+            parallelism: a rank computes a slice of the heads). Set by the capture.
+        num_heads: the layer's heads on every rank together; None: the
+            call's own. Set by the capture.
     """
 
     layer: str
@@ -61,6 +71,9 @@ class AttentionCall:
     document_ids: Tensor | None = None
     self_attention: bool | None = None
     score_mod: ScoreMod | None = None
+    logits: Tensor | None = None
+    head_offset: int = 0
+    num_heads: int | None = None
 
 
 #: ``adapter(module, args, kwargs, output) -> AttentionCall | None``, called by a

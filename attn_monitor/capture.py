@@ -17,21 +17,25 @@ chosen per call:
 2. **nn.MultiheadAttention** (alone or in ``nn.Transformer*`` layers): the
    same mode sees ``F.multi_head_attention_forward`` and recomputes q and k
    from its input projection. The module's own call is not changed.
-3. **Probability outputs**: modules whose output holds the attention
+3. **Eager softmax inputs**: while a Hugging Face ``eager`` attention module
+   runs (found automatically, see :class:`AttentionCapture`), the same mode
+   sees the softmax over the keys it calls; its input, the logits with every
+   mask the module applied, gives the support, entropy and max logit
+   (:mod:`attn_monitor.softmax`).
+4. **Probability outputs**: modules whose output holds the attention
    probabilities are read by a forward hook through an adapter;
    :func:`probabilities_at` builds one, and any callable with the
-   :data:`Adapter` signature is accepted for other modules. Hugging Face
-   ``eager`` attention is found automatically (see
-   :class:`AttentionCapture`).
-4. **FlexAttention**: the same mode sees ``flex_attention``'s operator and
+   :data:`Adapter` signature is accepted for other modules. Eager modules
+   with no softmax the mode can tie to them are read this way.
+5. **FlexAttention**: the same mode sees ``flex_attention``'s operator and
    reads q, k, the scale, the block mask (the support, see
    :func:`~attn_monitor.flex.block_mask_support`) and the ``score_mod``,
    whose modified logits the entropy is taken of.
-5. **Hugging Face's attention interface**: while recording, every function
+6. **Hugging Face's attention interface**: while recording, every function
    of ``ALL_ATTENTION_FUNCTIONS`` is wrapped (:mod:`attn_monitor.hf_interface`):
    flash, flex and registered kernels are read where they are called
    (paged ones are refused: their keys sit in a cache the call does not
-   show). A call that path 1 or 4 sees inside the kernel is counted once,
+   show). A call that path 1 or 5 sees inside the kernel is counted once,
    by that path. An attention module of a Hugging Face model that ran
    without any call being read gets one warning naming it and its
    ``attn_implementation``.
@@ -61,8 +65,6 @@ from, never by matching lengths:
 
 from __future__ import annotations
 
-import inspect
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -75,6 +77,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from attn_monitor import hf_interface
+from attn_monitor.batches import default_document_ids, default_forward, default_padding_mask
 from attn_monitor.calls import Adapter, AttentionCall, Consumer
 from attn_monitor.consumers import EntropyUpdate
 from attn_monitor.eager import (
@@ -89,15 +92,17 @@ from attn_monitor.flex import is_flex_attention, read_flex_call
 from attn_monitor.functional import Method
 from attn_monitor.masks import Support
 from attn_monitor.metric import AttentionEntropy, EntropySummary
+from attn_monitor.mha import MHA_ARGS, mha_call
 from attn_monitor.names import named_layers
+from attn_monitor.parallel import place_heads
 from attn_monitor.shared import WarnOnce, describe, matches
+from attn_monitor.softmax import SoftmaxReader, softmax_logits
 
 __all__ = ["AttentionCapture", "default_document_ids", "default_padding_mask", "evaluate_attention"]
 
 _SDPA = F.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_MHA_ARGS = tuple(inspect.signature(_MHA_FORWARD).parameters)
 #: Placeholder layers of calls made outside any known attention module.
 _UNOWNED_SDPA, _UNOWNED_MHA, _UNOWNED_FLEX = "\0sdpa", "\0mha", "\0flex"
 _UNOWNED = (_UNOWNED_SDPA, _UNOWNED_MHA, _UNOWNED_FLEX)
@@ -120,53 +125,6 @@ def _sdpa_call(layer: str, bound: dict[str, Any]) -> AttentionCall:
     return AttentionCall(layer=layer, support=support, q=q, k=k, scale=bound.get("scale"))
 
 
-def _mha_call(layer: str, bound: dict[str, Any]) -> AttentionCall | None:
-    """q, k and support of an ``F.multi_head_attention_forward`` call (sequence-first inputs)."""
-    if bound.get("bias_k") is not None or bound.get("add_zero_attn") or bound.get("static_k") is not None:
-        return None  # extra keys the inputs do not show; the caller warns
-    query, key = bound["query"].detach(), bound["key"].detach()
-    if query.dim() == 2:  # unbatched (seq, embed)
-        query, key = query.unsqueeze(1), key.unsqueeze(1)
-    num_heads = int(bound["num_heads"])
-    embed = query.shape[-1]
-    if bound.get("use_separate_proj_weight"):
-        w_q, w_k = bound["q_proj_weight"], bound["k_proj_weight"]
-    else:
-        w_q, w_k, _ = bound["in_proj_weight"].chunk(3)
-    b_q = b_k = None
-    if bound.get("in_proj_bias") is not None:
-        b_q, b_k, _ = bound["in_proj_bias"].chunk(3)
-    with torch.no_grad():
-        q = F.linear(query, w_q.detach(), None if b_q is None else b_q.detach())
-        k = F.linear(key, w_k.detach(), None if b_k is None else b_k.detach())
-    num_q, batch, num_k = q.shape[0], q.shape[1], k.shape[0]
-    head_dim = embed // num_heads
-    q = q.reshape(num_q, batch, num_heads, head_dim).permute(1, 2, 0, 3)
-    k = k.reshape(num_k, batch, num_heads, head_dim).permute(1, 2, 0, 3)
-
-    # MHA masks: bool True = *hidden*, or additive float. Merge into one additive mask.
-    additive = torch.zeros(1, 1, 1, 1, dtype=torch.float32, device=q.device)
-    attn_mask = bound.get("attn_mask")
-    if attn_mask is not None:
-        attn_mask = _mha_additive(attn_mask.detach())
-        attn_mask = attn_mask.reshape(batch, num_heads, num_q, num_k) if attn_mask.dim() == 3 else attn_mask
-        additive = additive + attn_mask
-    padding = bound.get("key_padding_mask")
-    if padding is not None:
-        padding = padding.detach().reshape(batch, num_k)
-        additive = additive + _mha_additive(padding)[:, None, None, :]
-    causal = bool(bound.get("is_causal")) and attn_mask is None
-    mask = None if additive.numel() == 1 and not additive.any() else additive
-    support = Support(num_q, num_k, causal=causal, mask=mask)
-    return AttentionCall(layer=layer, support=support, q=q, k=k, scale=1.0 / math.sqrt(head_dim))
-
-
-def _mha_additive(mask: Tensor) -> Tensor:
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, device=mask.device).masked_fill(mask, -math.inf)
-    return mask.to(torch.float32)
-
-
 class _CaptureMode(TorchFunctionMode):
     """Sees SDPA and MHA calls; everything else passes straight through."""
 
@@ -182,10 +140,14 @@ class _CaptureMode(TorchFunctionMode):
                 capture._on_sdpa(_bind(_SDPA_ARGS, args, kwargs))
         elif func is _MHA_FORWARD:
             with capture._contained(capture._innermost(_UNOWNED_MHA)):
-                capture._on_mha(_bind(_MHA_ARGS, args, kwargs))
+                capture._on_mha(_bind(MHA_ARGS, args, kwargs))
         elif is_flex_attention(func):
             with capture._contained(capture._innermost(_UNOWNED_FLEX)):
                 capture._on_flex(args, kwargs)
+        elif capture._softmax.active and (logits := softmax_logits(func, args, kwargs)) is not None:
+            probs = func(*args, **kwargs)
+            capture._softmax.on_softmax(logits, probs)
+            return probs
         return func(*args, **kwargs)
 
 
@@ -208,16 +170,21 @@ class AttentionCapture:
             automatically: every attention module (class name with
             "Attention"/"Attn", none inside it) under a module whose
             ``config._attn_implementation`` is ``"eager"`` (also modules that
-            hold no config themselves, as in Bloom and MPT), its
-            probabilities at the index the model declares for its
-            ``attentions`` outputs (``_can_record_outputs``; 1 where it
-            declares none), its mask from the forward argument named
-            ``attention_mask`` or ``mask``, a bool mask read in the polarity
-            its probabilities agree with. A module whose output does not hold
-            probabilities there is skipped with a warning that names it.
+            hold no config themselves, as in Bloom and MPT). Each is read from
+            the one softmax over the last dim of a (batch, heads, query, key)
+            tensor it calls (:mod:`attn_monitor.softmax`); in eval mode the
+            weights it returns are checked against that softmax's output.
+            Without one such softmax: its probabilities at the index the
+            model declares for its ``attentions`` outputs
+            (``_can_record_outputs``; 1 where it declares none), its mask
+            from the forward argument named ``attention_mask`` or ``mask``, a
+            bool mask read in the polarity its probabilities agree with. A
+            module whose output does not hold probabilities there is skipped
+            with a warning that names it.
         method: entropy path for q/k calls (see :func:`entropy_from_qk`).
         errors: what an error while reading or measuring a call does:
-            ``"raise"`` (default) lets it propagate; ``"warn"`` skips that
+            ``"raise"`` (default) raises it again, of its type where it
+            allows, naming the layer and its module class; ``"warn"`` skips that
             call, counts it per layer in :attr:`skipped` and warns once per
             layer, so that monitoring never stops the model's own work (the
             Lightning callback records this way).
@@ -277,7 +244,8 @@ class AttentionCapture:
             for name, module in named
             if isinstance(module, nn.MultiheadAttention)
         }
-        self._automatic: set[str] = set()
+        #: Hugging Face eager attention found automatically -> where its output holds the probabilities.
+        self._automatic: dict[str, int] = {}
         self._adapters = self._resolve_adapters(adapters or {})
         self._owners = self._attention_owners()
         for module in self._owners.values():
@@ -293,6 +261,7 @@ class AttentionCapture:
         self._document_ids: Tensor | None = None
         self._unowned = 0
         self._warn_once = WarnOnce()
+        self._softmax = SoftmaxReader(self._automatic, self._warn_once)
         self._consumers: list[Consumer] = []
         #: Calls seen inside each Hugging Face attention-interface call running now, innermost last.
         self._interface_frames: list[int] = []
@@ -326,7 +295,7 @@ class AttentionCapture:
             name = self._names[id(module)]
             if name not in resolved:
                 resolved[name] = hf_eager_adapter(module, index)
-                self._automatic.add(name)
+                self._automatic[name] = index
         return resolved
 
     def _decoder_scopes(self) -> list[str]:
@@ -371,6 +340,8 @@ class AttentionCapture:
                 self._handles.append(module.register_forward_hook(self._pop(name), always_call=True))
             for name, adapter in self._adapters.items():
                 module = self._layers[name]
+                if name in self._automatic:
+                    self._handles.append(module.register_forward_pre_hook(self._enter_eager(name)))
                 hook = self._adapter_hook(name, adapter)
                 self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         except BaseException:
@@ -466,6 +437,7 @@ class AttentionCapture:
             self._document_ids = None
             self._consumers = []
             self._stack.clear()
+            self._softmax.clear()
 
     def _push(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -482,12 +454,24 @@ class AttentionCapture:
 
         return hook
 
+    def _enter_eager(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self._recording and not torch.compiler.is_compiling():
+                self._softmax.enter(name, module)
+
+        return hook
+
     def _adapter_hook(self, name: str, adapter: Adapter) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            frame = self._softmax.leave(module) if name in self._automatic else None
             if not self._recording or not self._selected(name):
                 return
             with self._contained(name):
-                self._read_adapter(name, adapter, module, args, kwargs, output)
+                call = None if frame is None else self._softmax.read(frame, output)
+                if call is None:
+                    self._read_adapter(name, adapter, module, args, kwargs, output)
+                else:
+                    self._accept(name, module, args, kwargs, call)
 
         return hook
 
@@ -508,10 +492,22 @@ class AttentionCapture:
             )
             return
         if call is not None:
-            if call.self_attention is None:
-                num_q, num_k = call.support.num_queries, call.support.num_keys
-                call = replace(call, self_attention=num_q == num_k and not takes_other_keys(module, args, kwargs))
-            self._receive(replace(call, layer=name))
+            self._accept(name, module, args, kwargs, call)
+        elif name in self._automatic:
+            self._warn_once(
+                f"no-probabilities:{name}",
+                f"attn_monitor saw no attention in {name!r} ({type(module).__name__}): its "
+                f"output[{self._automatic[name]}] holds no probabilities and no softmax over its keys ran inside "
+                f"it. Run the model with output_attentions=True, or pass `adapters={{{name!r}: your_adapter}}`; "
+                "this layer is skipped.",
+            )
+
+    def _accept(self, name: str, module: nn.Module, args: tuple, kwargs: dict, call: AttentionCall) -> None:
+        """Receive an eager module's call under its name, self-attention decided as the module docstring says."""
+        if call.self_attention is None:
+            num_q, num_k = call.support.num_queries, call.support.num_keys
+            call = replace(call, self_attention=num_q == num_k and not takes_other_keys(module, args, kwargs))
+        self._receive(replace(call, layer=name))
 
     def _innermost(self, unowned: str) -> str:
         """The attention module running now (the owner of a call made here), else ``unowned``."""
@@ -519,22 +515,40 @@ class AttentionCapture:
 
     @contextmanager
     def _contained(self, layer: str) -> Iterator[None]:
-        """Run the block; with ``errors="warn"`` an error in it skips the call, counted and named once."""
-        if self.errors == "raise" or torch.compiler.is_compiling():
+        """Run the block; an error in it names the layer and its class, and with ``errors="warn"`` skips the call.
+
+        Skipped calls are counted per layer in :attr:`skipped` and named once.
+        """
+        if torch.compiler.is_compiling():
             yield
             return
         try:
             yield
         except Exception as error:
+            name = layer.strip(chr(0))
+            if self.errors == "raise":
+                if hasattr(error, "attn_monitor_layer"):
+                    raise  # named already, by a block inside this one
+                raise _named(error, f"{name!r} ({self._module_class(name)})") from error
             if self._interface_frames:
                 self._interface_frames[-1] += 1  # handled (skipped) here: the interface must not read it again
-            name = layer.strip(chr(0))
             self.skipped[name] = self.skipped.get(name, 0) + 1
             self._warn_once(
                 f"failed:{name}",
-                f"attn_monitor could not record a call of {name!r} ({type(error).__name__}: {error}); such calls "
-                "are skipped and counted in `skipped`, and the model runs on.",
+                f"attn_monitor could not record a call of {name!r} ({type(error).__name__}: {error}), "
+                f"{self._module_class(name)}; such calls are skipped and counted in `skipped`, and the model runs on.",
             )
+
+    def _module_of(self, name: str) -> nn.Module | None:
+        """The module of layer ``name`` (the model itself goes by its class name); None for calls outside any."""
+        return self._layers.get(name, self.model if name == type(self.model).__name__ else None)
+
+    def _module_class(self, name: str) -> str:
+        """How errors name the module of layer ``name``: its class, or that it has none."""
+        module = self._module_of(name)
+        if module is None:
+            return "made outside any attention module"
+        return f"module class {type(module).__name__}"
 
     def _selected(self, name: str) -> bool:
         return self.layers is None or any(matches(name, pattern) for pattern in self.layers)
@@ -557,7 +571,7 @@ class AttentionCapture:
         weight = bound["q_proj_weight"] if bound.get("use_separate_proj_weight") else bound["in_proj_weight"]
         layer = self._param_owner.get(id(weight), _UNOWNED_MHA)
         if layer == _UNOWNED_MHA or self._selected(layer):
-            call = _mha_call(layer, bound)
+            call = mha_call(layer, bound)
             if call is None:
                 self._warn_once(
                     f"mha-extra-keys:{layer}",
@@ -608,7 +622,8 @@ class AttentionCapture:
                 continue
             self._warn_once(
                 f"unread:{name}",
-                f"attn_monitor saw no attention call in {name!r} (attn_implementation={implementation!r}): its "
+                f"attn_monitor saw no attention call in {name!r} ({type(self._owners[name]).__name__}, "
+                f"attn_implementation={implementation!r}): its "
                 "kernel is called neither through torch.nn.functional.scaled_dot_product_attention, flex_attention "
                 "nor transformers' ALL_ATTENTION_FUNCTIONS. This layer is not monitored; run it with "
                 "attn_implementation='sdpa' or 'eager', or pass an adapter for it.",
@@ -634,7 +649,11 @@ class AttentionCapture:
                 call = replace(call, layer=name)
             self.num_calls += 1
             with torch.no_grad(), self._contained(call.layer):
-                call = replace(call, padding_mask=self._query_mask_of(call))
+                # Tensor parallelism: which of the layer's heads this rank holds.
+                placed = place_heads(call, self._module_of(call.layer))
+                if placed is None:
+                    continue
+                call = replace(placed, padding_mask=self._query_mask_of(placed))
                 sample = self._samples(call)
                 for consumer in self._consumers:
                     consumer(call, sample)
@@ -693,6 +712,20 @@ class _InterfaceListener:
             capture._on_interface(module, implementation, query, key, mask, kwargs)
 
 
+def _named(error: Exception, layer: str) -> Exception:
+    """``error`` again, of its type where it allows, with the layer it happened in and what to do."""
+    message = (
+        f"attn_monitor could not record a call of {layer}: {error} Leave the layer out with `layers=`, pass an "
+        "adapter for it (`adapters=`), or record with errors='warn' to skip such calls."
+    )
+    try:
+        named = type(error)(message)
+    except Exception:
+        named = RuntimeError(message)
+    named.attn_monitor_layer = layer  # type: ignore[attr-defined]
+    return named
+
+
 def _query_masks(padding_mask: object) -> list[tuple[str | None, Tensor]]:
     """``recording``'s ``padding_mask`` as (layer pattern or None for the input sequence, (batch, seq) bool)."""
     if padding_mask is None:
@@ -719,54 +752,6 @@ def _own_tokens(support: Support) -> Tensor | None:
     if support.mask is None:
         return support.padding_mask  # causal order, windows and documents hide no key from every query
     return support.dense().any(-2).any(-2)
-
-
-#: Batch keys that describe the batch for attn_monitor, not arguments of the model.
-_BATCH_ONLY_KEYS = ("document_ids",)
-
-
-def _default_forward(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, Mapping):
-        return model(**{key: value for key, value in batch.items() if key not in _BATCH_ONLY_KEYS})
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
-def _batch_tensor(batch: Any, key: str) -> Tensor | None:
-    if isinstance(batch, Mapping):
-        value = batch.get(key)
-        if isinstance(value, Tensor) and value.dim() == 2:
-            return value
-    return None
-
-
-def default_padding_mask(batch: Any) -> Tensor | dict[str, Tensor] | None:
-    """The padding mask of a dict batch (Hugging Face style), else None.
-
-    Its (batch, seq) ``attention_mask`` (the encoder's, or a decoder-only
-    model's); with a ``decoder_attention_mask`` as well, the mapping
-    ``{"*decoder.*": decoder_attention_mask, "*": attention_mask}``: decoder
-    layers (self- and cross-attention) count the decoder's real tokens.
-
-    Example:
-        >>> mask = torch.ones(2, 5, dtype=torch.long)
-        >>> sorted(default_padding_mask({"attention_mask": mask, "decoder_attention_mask": mask[:, :3]}))
-        ['*', '*decoder.*']
-    """
-    source = _batch_tensor(batch, "attention_mask")
-    target = _batch_tensor(batch, "decoder_attention_mask")
-    if target is None:
-        return source
-    masks = {"*decoder.*": target}
-    if source is not None:
-        masks["*"] = source
-    return masks
-
-
-def default_document_ids(batch: Any) -> Tensor | None:
-    """The (batch, seq) ``document_ids`` of a dict batch (packed sequences), else None."""
-    return _batch_tensor(batch, "document_ids")
 
 
 def evaluate_attention(
@@ -821,7 +806,7 @@ def evaluate_attention(
         >>> summary.layers
         ['self_attn']
     """
-    forward = forward or _default_forward
+    forward = forward or default_forward
     padding_mask = padding_mask or default_padding_mask
     document_ids = document_ids or default_document_ids
     capture = AttentionCapture(model, metric, layers=layers, adapters=adapters)

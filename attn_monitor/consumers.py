@@ -10,7 +10,7 @@ from torch import Tensor
 
 from attn_monitor.calls import AttentionCall
 from attn_monitor.flex import score_mod_lse_entropy
-from attn_monitor.functional import Method, all_finite, attention_entropy, entropy_from_qk
+from attn_monitor.functional import Method, all_finite, attention_entropy, entropy_from_logits, entropy_from_qk
 from attn_monitor.metric import AttentionEntropy
 from attn_monitor.shared import WarnOnce
 
@@ -50,7 +50,9 @@ class EntropyUpdate:
 
     def __call__(self, call: AttentionCall, sample: Tensor) -> None:
         call, reached = without_nonfinite(call)
-        if call.probs is not None:
+        if call.logits is not None:
+            entropy = entropy_from_logits(call.logits, call.support.dense())
+        elif call.probs is not None:
             entropy = attention_entropy(call.probs, call.support.dense(), no_mass="nan")
             stranded = entropy.isnan() & (call.support.num_valid() > 0)
             if stranded.any():
@@ -74,7 +76,14 @@ class EntropyUpdate:
             entropy = entropy.masked_fill(reached, math.nan)
         self._report_nonfinite(call.layer, entropy, sample)
         # The metric leaves non-finite queries out of its statistics and counts them (``nonfinite``).
-        self.metric.update(call.layer, entropy, call.support.num_valid(), sample)
+        self.metric.update(
+            call.layer,
+            entropy,
+            call.support.num_valid(),
+            sample,
+            head_offset=call.head_offset,
+            num_heads=call.num_heads,
+        )
 
     def _report_nonfinite(self, layer: str, entropy: Tensor, sample: Tensor) -> None:
         """Warn once per layer when sampled queries have non-finite entropy."""
@@ -91,10 +100,18 @@ class EntropyUpdate:
 def without_nonfinite(call: AttentionCall) -> tuple[AttentionCall, Tensor | None]:
     """``call`` with its non-finite values replaced, and the (batch, heads, query) queries they reached.
 
-    The replacements (0 in q and k, a uniform row of weights) only keep the
-    entropy functions from raising; those queries' values are discarded.
-    None when every value is finite.
+    The replacements (0 in q and k, zero logits, a uniform row of weights)
+    only keep the entropy functions from raising; those queries' values are
+    discarded. None when every value is finite (``-inf`` logits hide keys).
     """
+    if call.logits is not None:
+        largest = float(call.logits.amax())  # NaN where any logit is NaN
+        if not (math.isnan(largest) or largest == math.inf):
+            return call, None
+        reached = (call.logits.isnan() | (call.logits == math.inf)).any(-1)
+        rows = reached[..., None]
+        probs = None if call.probs is None else call.probs.masked_fill(rows, 1.0)
+        return replace(call, logits=call.logits.masked_fill(rows, 0.0), probs=probs), reached
     if call.probs is not None:
         if all_finite(call.probs):
             return call, None

@@ -120,6 +120,10 @@ class MassDiagnostics:
         documents = call.document_ids if _fits(call.document_ids, length) and support.num_queries == length else None
         mass = _MassOf(call, self.method)
 
+        def update(name: str, value: Tensor) -> None:
+            key = f"{name}/{call.layer}"
+            self.metric.update(key, value, sample, head_offset=call.head_offset, num_heads=call.num_heads)
+
         def sinks(base: Support, count: int) -> Support:
             """``base`` restricted to the first ``count`` real tokens of the query's own sequence or document."""
             keys = leading_keys(count, padding, documents, length).to(support._device())
@@ -128,16 +132,16 @@ class MassDiagnostics:
             return restricted if documents is None else _within_documents(restricted, documents)
 
         if self.sink_tokens is not None:
-            self.metric.update(f"sink_mass/{call.layer}", mass(sinks(support, self.sink_tokens)), sample)
+            update("sink_mass", mass(sinks(support, self.sink_tokens)))
         for count, window in self.eviction:
             recent = support.with_window(window)
             if count == 0:
                 kept = mass(recent)
             else:
                 kept = mass(recent) + mass(sinks(support, count)) - mass(sinks(recent, count))
-            self.metric.update(f"coverage_s{count}_w{window}/{call.layer}", kept.clamp(0.0, 1.0), sample)
+            update(f"coverage_s{count}_w{window}", kept.clamp(0.0, 1.0))
         if self.leakage and documents is not None:
-            self.metric.update(f"leakage/{call.layer}", mass.off_documents(documents), sample)
+            update("leakage", mass.off_documents(documents))
 
 
 class _MassOf:

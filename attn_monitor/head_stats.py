@@ -39,9 +39,36 @@ from attn_monitor.functional import attention_distance, attention_max_logit, bro
 from attn_monitor.metric import LayerMetric, copy_statistics, put_nonfinite
 from attn_monitor.shared import WarnOnce
 
-__all__ = ["AttentionStatistics", "StatisticsSummary", "StatisticsUpdate", "distance_from_probs"]
+__all__ = [
+    "AttentionStatistics",
+    "StatisticsSummary",
+    "StatisticsUpdate",
+    "distance_from_probs",
+    "max_logit_from_logits",
+]
 
 _SUM_FIELDS = ("logit_count", "logit_nonfinite", "distance_sum", "distance_count", "distance_nonfinite")
+
+
+def max_logit_from_logits(scores: Tensor, mask: Tensor) -> Tensor:
+    """Largest logit each query gives a visible key, from the logits an eager softmax received.
+
+    Args:
+        scores: (batch, heads, query, key) logits, masks and biases included.
+        mask: bool, broadcastable to ``scores``; True = visible.
+
+    Returns:
+        (batch, heads, query) maximum logits, float32 at least; NaN where a
+        query has no visible key.
+
+    Example:
+        >>> scores = torch.tensor([[[[1.0, 3.0, -100.0], [2.0, 5.0, 0.0]]]])
+        >>> max_logit_from_logits(scores, torch.tensor([[True, False, True], [False, False, False]]))
+        tensor([[[1., nan]]])
+    """
+    hidden = torch.full((), -math.inf, dtype=scores.dtype, device=scores.device)
+    largest = torch.where(mask, scores, hidden).amax(-1).to(torch.promote_types(scores.dtype, torch.float32))
+    return largest.masked_fill(largest == -math.inf, math.nan)
 
 
 def distance_from_probs(attn: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -199,6 +226,8 @@ class AttentionStatistics(LayerMetric):
         max_logit: Tensor | None = None,
         distance: Tensor | None = None,
         is_sample: Tensor | None = None,
+        head_offset: int = 0,
+        num_heads: int | None = None,
     ) -> None:
         """Add one call's per-query values (either may be left out).
 
@@ -207,6 +236,7 @@ class AttentionStatistics(LayerMetric):
             max_logit: (batch, heads, query) largest logit of each query.
             distance: (batch, heads, query) mean attention distance, >= 0.
             is_sample: bool, broadcastable to the values; None: every query.
+            head_offset, num_heads: as in :meth:`~attn_monitor.metric.AttentionEntropy.update`.
 
         Raises:
             TypeError: wrong types or dtypes.
@@ -251,14 +281,14 @@ class AttentionStatistics(LayerMetric):
                 fields["max_logit"] = value.masked_fill(~counted, -math.inf).amax((0, 2))
             else:
                 fields["distance_sum"] = torch.where(counted, value.clamp(min=0.0), 0.0).sum((0, 2))
-        self.register_layer(layer, shape[1])
-        self.accumulate(layer, **fields)
+        self.register_heads(layer, shape[1], head_offset, num_heads)
+        self.accumulate(layer, head_offset, **fields)
 
     def forward(self, layer: str, *args: Any, **kwargs: Any) -> Any:
         """Update with one call and return the summary of that call alone."""
         for value in (*args, kwargs.get("max_logit"), kwargs.get("distance")):
             if isinstance(value, Tensor) and value.dim() == 3:
-                self.register_layer(layer, value.shape[1])
+                self.register_heads(layer, value.shape[1], kwargs.get("head_offset", 0), kwargs.get("num_heads"))
                 break
         return super(LayerMetric, self).forward(layer, *args, **kwargs)
 
@@ -322,8 +352,10 @@ class StatisticsUpdate:
                 "attention distance is not measured for it.",
             )
         values: dict[str, Tensor] = {}
+        if call.logits is not None and self.max_logit:
+            values["max_logit"] = max_logit_from_logits(call.logits, support.dense())
         if call.probs is not None:
-            if self.max_logit:
+            if self.max_logit and call.logits is None:
                 self._warn_once(
                     f"max-logit:{layer}",
                     f"attn_monitor: {layer!r} returns attention probabilities, not logits: its max logit cannot be "
@@ -344,4 +376,4 @@ class StatisticsUpdate:
             return
         if reached is not None:
             values = {name: value.masked_fill(reached, math.nan) for name, value in values.items()}
-        self.metric.update(layer, is_sample=sample, **values)
+        self.metric.update(layer, is_sample=sample, head_offset=call.head_offset, num_heads=call.num_heads, **values)

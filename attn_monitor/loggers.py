@@ -1,26 +1,24 @@
-"""Logger adapters: scalars everywhere, charts, histograms and pictures where they can be shown.
+"""Sinks: scalars everywhere, charts, histograms and pictures where they can be shown.
 
 Scalar names follow one rule (:func:`group_heads`): per-layer statistics stay
 in their family's group (``attn_entropy/{layer}/q50``), per-head values move
 to ``{family}_heads/{layer}/head_{h}/{stat}``, so the main group stays short
-however many heads a model has. Inside Lightning the callback logs the
-means with ``LightningModule.log`` (:func:`logged_through_lightning`: they
-reach every logger at the step of the module's own validation metrics), puts
-every per-layer statistic (:func:`per_layer`) into
-``trainer.callback_metrics``, and the other scalars and the rest are written
-here by :class:`Dashboards` at that same step:
+however many heads a model has. A summary leaves the monitor by one route,
+:meth:`Dashboards.log`, to plain sinks (:func:`sink_kind`), whatever the
+training loop; a loop that logs some names itself (Lightning's
+``LightningModule.log``) says which, and they are left out here:
 
-* TensorBoard, as one event per step: the scalars, one histogram per layer
-  (raw, from the metric's own bins), the heatmap image; a Custom Scalars
-  layout with one margin chart (the median with its quantile band) and one
-  multi-line chart of the heads per layer; when training ends, per layer,
-  the heads-over-training picture;
-* Weights & Biases, as one ``log`` call per step: the scalars,
-  ``wandb.Histogram(np_histogram=...)`` per layer, the heatmap image; when
-  training ends, per layer, the heads-over-training picture and one line
-  chart with a line per head (``wandb.plot.line_series``); alerts also go
-  to ``run.alert``;
-* other loggers: the scalars and one warning.
+* TensorBoard (a ``SummaryWriter``), as one event per step: the scalars, one
+  histogram per layer (raw, from the metric's own bins), the heatmap image; a
+  Custom Scalars layout with one margin chart (the median with its quantile
+  band) and one multi-line chart of the heads per layer; when training ends,
+  per layer, the heads-over-training picture;
+* Weights & Biases (a :class:`WandbSink` or a run), as one ``log`` call per
+  step: the scalars, ``wandb.Histogram(np_histogram=...)`` per layer, the
+  heatmap image; when training ends, per layer, the heads-over-training
+  picture and one line chart with a line per head
+  (``wandb.plot.line_series``); alerts also go to ``run.alert``;
+* anything with ``log_metrics(metrics, step)``: the scalars and one warning.
 
 The pictures themselves are drawn in :mod:`attn_monitor.figures`.
 """
@@ -29,7 +27,8 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +44,13 @@ __all__ = [
     "WANDB_MAX_BINS",
     "Dashboards",
     "LogOptions",
+    "WandbSink",
     "group_heads",
     "head_group",
     "log_summary",
-    "logged_through_lightning",
-    "logger_kind",
     "per_layer",
     "send_alert",
+    "sink_kind",
     "summary_scalars",
     "tensorboard_layout",
 ]
@@ -102,29 +101,6 @@ def group_heads(scalars: Mapping[str, float]) -> dict[str, float]:
             raise ValueError(f"Two scalars would be logged as {grouped!r}; one of them is {name!r}.")
         out[grouped] = value
     return out
-
-
-@functools.lru_cache(maxsize=1 << 16)  # the same few thousand names at every validation
-def logged_through_lightning(name: str, suffix: str = "") -> bool:
-    """Whether the monitor logs ``name`` with ``LightningModule.log``: each family's overall and per-layer means.
-
-    These also reach every logger at the step of the module's own
-    validation metrics and ``Trainer.validate``'s results. Lightning's
-    ``log`` costs 0.5-0.8 ms per name, more as names pile up (0.4 s for 1000
-    names), and a 32-layer, 32-head model logs 2300: every other scalar goes
-    to the loggers directly at the same step.
-
-    Example:
-        >>> logged_through_lightning("attn_entropy/mean"), logged_through_lightning("attn_sink_mass/h.0/mean")
-        (True, True)
-        >>> logged_through_lightning("attn_entropy/h.0/q50")
-        False
-        >>> logged_through_lightning("attn_entropy_heads/h.0/head_1/mean")
-        False
-        >>> logged_through_lightning("attn_entropy/h.0/mean/dataloader_idx_1", suffix="/dataloader_idx_1")
-        True
-    """
-    return name.removesuffix(suffix).endswith("/mean") and per_layer(name)
 
 
 def per_layer(name: str) -> bool:
@@ -231,17 +207,55 @@ def _wandb_histograms(summary: EntropySummary, prefix: str, bins: int, suffix: s
     return out
 
 
-def logger_kind(logger: Any) -> str:
-    """``"tensorboard"``, ``"wandb"`` or ``"other"`` for a Lightning logger."""
-    from lightning.pytorch.loggers import TensorBoardLogger
+@dataclass(frozen=True)
+class WandbSink:
+    """A W&B run as a sink: scalars, histograms, pictures and charts through ``log``; alerts through ``run.alert``.
 
-    if isinstance(logger, TensorBoardLogger):
+    Args:
+        run: the ``wandb`` run (``wandb.init()``, a logger's ``experiment``).
+        log: ``log(values, step)`` writing ``values`` at ``step`` on the run's step axis
+            (default: ``run.log(values, step=step)``); a training loop that keeps its own
+            step metric passes its own (the Lightning monitor passes ``WandbLogger.log_metrics``).
+    """
+
+    run: Any
+    log: Callable[[dict[str, Any], int], None] | None = None
+
+    def write(self, values: dict[str, Any], step: int) -> None:
+        """Log ``values`` at ``step``."""
+        if self.log is None:
+            self.run.log(values, step=step)
+        else:
+            self.log(values, step)
+
+
+def _wandb(sink: Any) -> WandbSink:
+    return sink if isinstance(sink, WandbSink) else WandbSink(sink)
+
+
+def sink_kind(sink: Any) -> str:
+    """What a sink can show: ``"tensorboard"``, ``"wandb"`` or ``"scalars"``.
+
+    * a ``torch.utils.tensorboard.SummaryWriter``: everything, as events;
+    * a :class:`WandbSink` or a ``wandb`` run: everything, and alerts;
+    * any object with ``log_metrics(metrics, step=...)`` (a CSV logger, a
+      training loop's own logger): scalars only.
+
+    Raises:
+        TypeError: none of these.
+    """
+    writer = sys.modules.get("torch.utils.tensorboard.writer")  # a writer exists only once its module is loaded
+    if writer is not None and isinstance(sink, writer.SummaryWriter):
         return "tensorboard"
-    try:
-        from lightning.pytorch.loggers import WandbLogger
-    except ImportError:  # pragma: no cover - lightning always ships the class
-        return "other"
-    return "wandb" if isinstance(logger, WandbLogger) else "other"
+    run = sys.modules.get("wandb.sdk.wandb_run")
+    if isinstance(sink, WandbSink) or (run is not None and isinstance(sink, run.Run)):
+        return "wandb"
+    if callable(getattr(sink, "log_metrics", None)):
+        return "scalars"
+    raise TypeError(
+        "Expected each sink to be a SummaryWriter, a WandbSink, a wandb run or an object with "
+        f"`log_metrics(metrics, step)`, got {type(sink).__name__}."
+    )
 
 
 #: Loggers told once per process that they get scalars only.
@@ -296,14 +310,7 @@ def tensorboard_layout(
         Multiline ^attn_entropy_heads/h\\.0/head_\\d+/q50$
     """
     names = set(names)
-    band = _band(quantiles)
-    # (family, suffix) -> layer -> statistics logged per head
-    heads: dict[tuple[str, str], dict[str, set[str]]] = {}
-    for name in sorted(names):
-        match = _GROUPED.match(name)
-        if match is not None:
-            key = (match["family"], match["suffix"] or "")
-            heads.setdefault(key, {}).setdefault(match["layer"], set()).add(match["stat"])
+    heads = _per_head_statistics(names)
     overall = re.compile(f"^{re.escape(prefix)}/mean(?P<suffix>/dataloader_idx_\\d+)?$")
     suffixes = sorted(
         {suffix for family, suffix in heads if family == prefix}
@@ -311,41 +318,56 @@ def tensorboard_layout(
     )
     layout: dict[str, dict[str, list[Any]]] = {}
     for suffix in suffixes:
-        end = re.escape(suffix) + "$"
-        layout[prefix + suffix] = {"all layers · mean": ["Multiline", [f"^{re.escape(prefix)}/[^/]+/mean{end}"]]}
-        layers = sorted(
-            {
-                name[len(prefix) + 1 : -len(f"/q50{suffix}")]
-                for name in names
-                if name.startswith(prefix + "/") and name.endswith(f"/q50{suffix}")
-            },
-            key=_natural,
-        )
-        for layer in layers:
-            charts: dict[str, list[Any]] = {}
-            if band is not None:
-                tags = [f"{prefix}/{layer}/{q}{suffix}" for q in ("q50", *band)]
-                if all(tag in names for tag in tags):
-                    charts[f"{layer} · median, {band[0]}-{band[1]} band"] = ["Margin", tags]
-            stats = heads.get((prefix, suffix), {}).get(layer)
-            if stats:
-                stat = "q50" if "q50" in stats else sorted(stats)[0]
-                label = "median" if stat == "q50" else stat
-                pattern = f"^{re.escape(prefix)}_heads/{re.escape(layer)}/head_\\d+/{stat}{end}"
-                charts[f"{layer} · {label} of each head"] = ["Multiline", [pattern]]
-            layout[f"{prefix}{suffix} · {layer}"] = charts
+        layout.update(_entropy_layout(names, heads.get((prefix, suffix), {}), prefix, suffix, _band(quantiles)))
     for (family, suffix), per_layer in sorted(heads.items()):
-        if family == prefix:
-            continue
-        end = re.escape(suffix) + "$"
-        charts = {}
-        for layer in sorted(per_layer, key=_natural):
-            stats = per_layer[layer]
-            stat = "q50" if "q50" in stats else sorted(stats)[0]
-            pattern = f"^{re.escape(family)}_heads/{re.escape(layer)}/head_\\d+/{stat}{end}"
-            charts[f"{layer} · {stat} of each head"] = ["Multiline", [pattern]]
-        layout[f"{family}_heads{suffix}"] = charts
+        if family != prefix:
+            charts = dict(
+                _heads_chart(family, layer, per_layer[layer], suffix) for layer in sorted(per_layer, key=_natural)
+            )
+            layout[f"{family}_heads{suffix}"] = charts
     return layout
+
+
+def _per_head_statistics(names: Iterable[str]) -> dict[tuple[str, str], dict[str, set[str]]]:
+    """(family, suffix) -> layer -> the statistics logged per head, read from the grouped names."""
+    heads: dict[tuple[str, str], dict[str, set[str]]] = {}
+    for name in sorted(names):
+        match = _GROUPED.match(name)
+        if match is not None:
+            key = (match["family"], match["suffix"] or "")
+            heads.setdefault(key, {}).setdefault(match["layer"], set()).add(match["stat"])
+    return heads
+
+
+def _entropy_layout(
+    names: set[str], heads: Mapping[str, set[str]], prefix: str, suffix: str, band: tuple[str, str] | None
+) -> dict[str, dict[str, list[Any]]]:
+    """The entropy categories of one dataloader suffix: all layers' means, then per layer its band and heads."""
+    end = re.escape(suffix) + "$"
+    layout = {prefix + suffix: {"all layers · mean": ["Multiline", [f"^{re.escape(prefix)}/[^/]+/mean{end}"]]}}
+    layers = {
+        name[len(prefix) + 1 : -len(f"/q50{suffix}")]
+        for name in names
+        if name.startswith(prefix + "/") and name.endswith(f"/q50{suffix}")
+    }
+    for layer in sorted(layers, key=_natural):
+        charts: dict[str, list[Any]] = {}
+        if band is not None:
+            tags = [f"{prefix}/{layer}/{q}{suffix}" for q in ("q50", *band)]
+            if all(tag in names for tag in tags):
+                charts[f"{layer} · median, {band[0]}-{band[1]} band"] = ["Margin", tags]
+        if heads.get(layer):
+            title, chart = _heads_chart(prefix, layer, heads[layer], suffix, median="median")
+            charts[title] = chart
+        layout[f"{prefix}{suffix} · {layer}"] = charts
+    return layout
+
+
+def _heads_chart(family: str, layer: str, stats: set[str], suffix: str, median: str = "q50") -> tuple[str, list[Any]]:
+    """The multi-line chart of one layer's heads: ``q50`` (titled ``median``) where logged, else the first statistic."""
+    stat = "q50" if "q50" in stats else sorted(stats)[0]
+    pattern = f"^{re.escape(family)}_heads/{re.escape(layer)}/head_\\d+/{stat}{re.escape(suffix)}$"
+    return f"{layer} · {median if stat == 'q50' else stat} of each head", ["Multiline", [pattern]]
 
 
 def _natural(name: str) -> list[Any]:
@@ -353,33 +375,221 @@ def _natural(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def send_alert(loggers: Iterable[Any], title: str, text: str) -> None:
-    """Send ``text`` as a W&B alert (``run.alert``, level WARN) to every attached W&B logger."""
-    for logger in loggers:
-        if logger_kind(logger) == "wandb":
-            logger.experiment.alert(title=title, text=text, level="WARN")
+def send_alert(sinks: Iterable[Any], title: str, text: str) -> None:
+    """Send ``text`` as a W&B alert (``run.alert``, level WARN) to every W&B run among ``sinks``."""
+    for sink in sinks:
+        if sink_kind(sink) == "wandb":
+            _wandb(sink).run.alert(title=title, text=text, level="WARN")
+
+
+def warn_scalars_only(sinks: Iterable[Any], pictures: bool) -> None:
+    """Tell each scalar-only sink kind, once, that it gets scalars only (when there are pictures to miss)."""
+    if not pictures:
+        return
+    for sink in sinks:
+        if sink_kind(sink) == "scalars":
+            name = type(sink).__name__
+            _SCALARS_ONLY(
+                name,
+                f"attn_monitor: {name} gets the entropy scalars only; histograms, charts and pictures are written "
+                "to TensorBoard and W&B loggers.",
+            )
+
+
+@dataclass(frozen=True)
+class LogOptions:
+    """What the monitor logs of each summary, checked at construction.
+
+    Args:
+        prefix: first component of every entropy name; two monitors in one
+            run need different prefixes.
+        quantiles: quantile levels logged per layer, each in [0, 1].
+        per_head: log per-head values (under ``{family}_heads/``).
+        histogram_bins: bins of the logged histograms (None: no histograms);
+            at most 512 with a W&B sink.
+        heatmap: log the layer x head median heatmap and, per layer, the
+            heads-over-training picture (TensorBoard and W&B).
+
+    Raises:
+        TypeError, ValueError: a bad option, named.
+
+    Example:
+        >>> LogOptions(quantiles=(0.5,), histogram_bins=None).metric_bins
+        1000
+        >>> LogOptions(prefix="attn/")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `prefix` to be a non-empty name without a trailing '/', got 'attn/'.
+    """
+
+    prefix: str = "attn_entropy"
+    quantiles: Sequence[float] = (0.05, 0.25, 0.5, 0.75, 0.95)
+    per_head: bool = True
+    histogram_bins: int | None = 100
+    heatmap: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not self.prefix or self.prefix.endswith("/"):
+            raise ValueError(f"Expected `prefix` to be a non-empty name without a trailing '/', got {self.prefix!r}.")
+        object.__setattr__(self, "quantiles", tuple(float(q) for q in self.quantiles))
+        for q in self.quantiles:
+            if not 0.0 <= q <= 1.0:
+                raise ValueError(f"Expected every quantile level in [0, 1], got {q}.")
+        if self.histogram_bins is not None:
+            check_int("histogram_bins", self.histogram_bins, 1)
+
+    @property
+    def metric_bins(self) -> int:
+        """Bins of the metric: a multiple of the logged bins, fine enough for quantiles to 0.001."""
+        bins = self.histogram_bins or 1000
+        return bins * -(-1000 // bins)
+
+    @property
+    def pictures(self) -> bool:
+        """Whether anything beyond scalars is drawn."""
+        return bool(self.histogram_bins) or self.heatmap
+
+    def check(self, sinks: Iterable[Any]) -> None:
+        """Refuse a sink that is none of the kinds, or more histogram bins than a W&B sink keeps.
+
+        Raises:
+            TypeError: a sink of no known kind (see :func:`sink_kind`).
+            ValueError: ``histogram_bins`` > :data:`WANDB_MAX_BINS` with a W&B sink.
+        """
+        kinds = [sink_kind(sink) for sink in sinks]
+        too_many = bool(self.histogram_bins) and self.histogram_bins > WANDB_MAX_BINS  # type: ignore[operator]
+        if too_many and "wandb" in kinds:
+            raise ValueError(
+                f"`histogram_bins`={self.histogram_bins} but W&B keeps at most {WANDB_MAX_BINS} bins "
+                "and silently drops the rest; pass histogram_bins <= 512."
+            )
+
+    def scalars(
+        self,
+        summary: EntropySummary,
+        *,
+        prefix: str | None = None,
+        extra_scalars: Mapping[str, float] | None = None,
+        suffix: str = "",
+    ) -> dict[str, float]:
+        """:func:`summary_scalars` with these options (``prefix`` overrides :attr:`prefix`)."""
+        return summary_scalars(
+            summary,
+            prefix=self.prefix if prefix is None else prefix,
+            quantiles=self.quantiles,
+            per_head=self.per_head,
+            extra_scalars=extra_scalars,
+            suffix=suffix,
+        )
 
 
 class Dashboards:
-    """What Lightning does not log: histograms, pictures, chart layouts, with the history they need.
+    """The one route from a summary to the sinks: scalars, histograms, pictures, chart layouts, with their history.
 
     One object per monitor (and prefix): it remembers each head's median at
     every monitored validation, for the heads-over-training pictures and the
     W&B per-head charts, and which Custom Scalars layout each TensorBoard
-    writer holds. Write at the step Lightning logs the scalars at, so every
-    view of one validation lines up.
+    writer holds. Write at the step the training loop logs its own values
+    at, so every view of one validation lines up.
 
     Args:
-        options: what to draw (histogram bins, heatmap, quantiles).
+        options: what to log (prefix, quantiles, per-head values, histogram bins, heatmap).
     """
 
-    def __init__(self, options: LogOptions) -> None:
-        self.options = options
+    def __init__(self, options: LogOptions | None = None) -> None:
+        self.options = LogOptions() if options is None else options
         #: (prefix, suffix) -> steps and, per step, layer -> (heads,) medians.
         self.history: dict[tuple[str, str], list[tuple[int, dict[str, np.ndarray]]]] = {}
         self._layouts: dict[int, dict[str, dict[str, list[Any]]]] = {}
         #: Scalar names each writer's layout already covers.
         self._laid_out: dict[int, set[str]] = {}
+
+    def log(
+        self,
+        sinks: Iterable[Any],
+        summary: EntropySummary,
+        step: int,
+        *,
+        prefix: str | None = None,
+        extra_scalars: Mapping[str, float] | None = None,
+        suffix: str = "",
+        logged_elsewhere: Callable[[str], bool] | None = None,
+        remember: bool = True,
+    ) -> dict[str, float]:
+        """Write ``summary`` to every sink at ``step``; returns every scalar it names (the naming table).
+
+        TensorBoard gets scalars, histograms, the heatmap and the Custom
+        Scalars layout as one event (one write however many values); W&B one
+        ``log`` call; scalar sinks the scalars only, and one warning.
+
+        Args:
+            sinks: where to write (see :func:`sink_kind`).
+            summary: what to show.
+            step: the step to log at.
+            prefix: first component of every name (default: the options' prefix).
+            extra_scalars: further scalars of the same step (mass diagnostics, alerts).
+            suffix: appended to every name (``"/dataloader_idx_1"``).
+            logged_elsewhere: names the training loop logs itself (left out here).
+            remember: add the medians to the history (not for a sanity check).
+        """
+        prefix = self.options.prefix if prefix is None else prefix
+        names = self.options.scalars(summary, prefix=prefix, extra_scalars=extra_scalars, suffix=suffix)
+        scalars = names if logged_elsewhere is None else {k: v for k, v in names.items() if not logged_elsewhere(k)}
+        sinks = list(sinks)
+        warn_scalars_only(sinks, self.options.pictures)
+        grid = median_grid(summary)
+        if remember:
+            self.remember(summary, step, prefix=prefix, suffix=suffix, grid=grid)
+        for sink in sinks:
+            if sink_kind(sink) == "scalars" and scalars:
+                sink.log_metrics(scalars, step=step)
+        sinks = [sink for sink in sinks if sink_kind(sink) != "scalars"]
+        if sinks and summary.layers:
+            heatmap = self.options.heatmap
+            pictures = {f"{prefix}/heatmap{suffix}": heatmap_picture(summary, grid=grid)} if heatmap else {}
+            for sink in sinks:
+                if sink_kind(sink) == "tensorboard":
+                    self._write_tensorboard(sink, summary, step, scalars, pictures, (prefix, suffix), list(names))
+                else:
+                    self._write_wandb(_wandb(sink), summary, step, scalars, pictures, (prefix, suffix))
+        return names
+
+    def _write_tensorboard(
+        self,
+        writer: Any,
+        summary: EntropySummary,
+        step: int,
+        scalars: Mapping[str, float],
+        pictures: Mapping[str, Picture],
+        where: tuple[str, str],
+        names: list[str],
+    ) -> None:
+        """One event of scalars, histograms and pictures, and the layout of ``names`` (``where``: prefix, suffix)."""
+        prefix, suffix = where
+        values = _tensorboard_scalars(scalars)
+        if self.options.histogram_bins:
+            values += _tensorboard_histograms(summary, prefix, self.options.histogram_bins, suffix)
+        values += [_tensorboard_image(tag, picture) for tag, picture in pictures.items()]
+        _tensorboard_write(writer, values, step)
+        self._write_layout(writer, names, prefix)
+
+    def _write_wandb(
+        self,
+        sink: WandbSink,
+        summary: EntropySummary,
+        step: int,
+        scalars: Mapping[str, float],
+        pictures: Mapping[str, Picture],
+        where: tuple[str, str],
+    ) -> None:
+        """One ``log`` call of scalars, histograms and pictures (``where``: prefix, suffix)."""
+        import wandb
+
+        payload: dict[str, Any] = dict(scalars)
+        if self.options.histogram_bins:
+            payload.update(_wandb_histograms(summary, where[0], self.options.histogram_bins, where[1]))
+        payload.update({tag: wandb.Image(picture.pixels) for tag, picture in pictures.items()})
+        sink.write(payload, step)
 
     def remember(
         self, summary: EntropySummary, step: int, *, prefix: str, suffix: str = "", grid: np.ndarray | None = None
@@ -432,66 +642,7 @@ class Dashboards:
             medians[: len(entry[layer]), column] = entry[layer]
         return steps, medians
 
-    def write(
-        self,
-        loggers: Iterable[Any],
-        summary: EntropySummary,
-        step: int,
-        *,
-        scalars: Mapping[str, float] | None = None,
-        scalar_names: Iterable[str] = (),
-        prefix: str | None = None,
-        suffix: str = "",
-    ) -> None:
-        """Write ``scalars``, the histograms, the heatmap and the TensorBoard layout of ``summary`` at ``step``.
-
-        TensorBoard gets all of it as one event (one write however many
-        values); W&B as one ``log`` call; other loggers the scalars only.
-
-        Args:
-            loggers: Lightning loggers (``trainer.loggers``).
-            summary: what to show.
-            step: the step the scalars of this summary are logged at.
-            scalars: scalars to write here (the monitor logs the others through Lightning).
-            scalar_names: every scalar name logged with it (for the Custom Scalars layout).
-            prefix: first component of every name (default: the options' prefix).
-            suffix: appended to every name (``"/dataloader_idx_1"``).
-        """
-        options = self.options
-        prefix = options.prefix if prefix is None else prefix
-        scalars = dict(scalars or {})
-        grid = self.remember(summary, step, prefix=prefix, suffix=suffix)
-        loggers = list(loggers)
-        for logger in loggers:
-            if logger_kind(logger) == "other" and scalars:
-                logger.log_metrics(scalars, step=step)
-        loggers = [logger for logger in loggers if logger_kind(logger) != "other"]
-        if not loggers or not summary.layers:
-            return
-        pictures: dict[str, Picture] = {}
-        if options.heatmap:
-            pictures[f"{prefix}/heatmap{suffix}"] = heatmap_picture(summary, grid=grid)
-        names = list(scalar_names)
-        for logger in loggers:
-            if logger_kind(logger) == "tensorboard":
-                writer = logger.experiment
-                values = _tensorboard_scalars(scalars)
-                if options.histogram_bins:
-                    values += _tensorboard_histograms(summary, prefix, options.histogram_bins, suffix)
-                values += [_tensorboard_image(tag, picture) for tag, picture in pictures.items()]
-                _tensorboard_write(writer, values, step)
-                self._write_layout(writer, names, prefix)
-            else:
-                payload: dict[str, Any] = dict(scalars)
-                if options.histogram_bins:
-                    payload.update(_wandb_histograms(summary, prefix, options.histogram_bins, suffix))
-                import wandb
-
-                for tag, picture in pictures.items():
-                    payload[tag] = wandb.Image(picture.pixels)
-                logger.log_metrics(payload, step=step)
-
-    def write_history(self, loggers: Iterable[Any]) -> None:
+    def write_history(self, sinks: Iterable[Any]) -> None:
         """Write, per layer, the views of its heads over every remembered step, at the last one.
 
         TensorBoard gets the heads-over-training picture, W&B the picture
@@ -501,9 +652,9 @@ class Dashboards:
         the histograms and the per-head scalars show each validation as it
         comes.
         """
-        loggers = [logger for logger in loggers if logger_kind(logger) != "other"]
+        sinks = [sink for sink in sinks if sink_kind(sink) != "scalars"]
         for (prefix, suffix), history in self.history.items():
-            if not loggers or not history:
+            if not sinks or not history:
                 continue
             step = history[-1][0]
             layers = list(dict.fromkeys(layer for _, entry in history for layer in entry))
@@ -512,17 +663,17 @@ class Dashboards:
                 for layer in layers:
                     steps, medians = self.medians_over_time(layer, prefix=prefix, suffix=suffix)
                     pictures[f"{prefix}_heads/{layer}/over_training{suffix}"] = history_picture(layer, steps, medians)
-            for logger in loggers:
-                if logger_kind(logger) == "tensorboard":
-                    values = [_tensorboard_image(tag, picture) for tag, picture in pictures.items()]
-                    _tensorboard_write(logger.experiment, values, step)
+            for sink in sinks:
+                if sink_kind(sink) == "tensorboard":
+                    images = [_tensorboard_image(tag, picture) for tag, picture in pictures.items()]
+                    _tensorboard_write(sink, images, step)
                     continue
                 import wandb
 
                 payload = {tag: wandb.Image(picture.pixels) for tag, picture in pictures.items()}
                 for layer in layers:
                     payload[f"{prefix}_heads/{layer}/chart{suffix}"] = self._wandb_chart(layer, prefix, suffix)
-                logger.log_metrics(payload, step=step)
+                _wandb(sink).write(payload, step)
 
     def _write_layout(self, writer: Any, names: list[str], prefix: str) -> None:
         laid_out = self._laid_out.setdefault(id(writer), set())
@@ -550,155 +701,27 @@ class Dashboards:
 
 
 def log_summary(
-    loggers: Iterable[Any],
+    sinks: Iterable[Any],
     summary: EntropySummary,
     step: int,
+    options: LogOptions | None = None,
     *,
-    prefix: str = "attn_entropy",
-    quantiles: Sequence[float] = (0.05, 0.25, 0.5, 0.75, 0.95),
-    per_head: bool = True,
-    histogram_bins: int | None = 100,
-    heatmap: bool = True,
-    extra_scalars: dict[str, float] | None = None,
+    extra_scalars: Mapping[str, float] | None = None,
     suffix: str = "",
     dashboards: Dashboards | None = None,
 ) -> dict[str, float]:
-    """Write ``summary`` to every logger, scalars included; returns the scalars written.
-
-    For use outside a Lightning validation (the monitor logs its validation
-    scalars through ``LightningModule.log`` instead).
+    """Write ``summary`` to every sink, scalars included; returns the scalars written (:meth:`Dashboards.log`).
 
     Args:
-        loggers: Lightning loggers (``trainer.loggers``).
+        sinks: where to write (see :func:`sink_kind`).
         summary: what to log.
         step: the step to log at.
-        prefix: first component of every name.
-        quantiles: quantile levels logged per layer.
-        per_head: also log per-head mean and median (under ``{prefix}_heads/``).
-        histogram_bins: bins of the logged histograms (None: no histograms);
-            must divide the metric's bins.
-        heatmap: log the layer x head median heatmap and the heads-over-training pictures.
+        options: what to log (default: :class:`LogOptions`); ignored with ``dashboards``.
         extra_scalars: further scalars to log with the same step.
         suffix: appended to every name, histograms and pictures included
-            (``"/dataloader_idx_1"`` keeps validation dataloaders apart, as
-            Lightning's ``self.log`` does).
+            (``"/dataloader_idx_1"`` keeps validation dataloaders apart).
         dashboards: keeps the history across calls for the W&B per-head charts
             and :meth:`Dashboards.write_history` (default: a new one, no history).
     """
-    loggers = list(loggers)
-    scalars = summary_scalars(
-        summary, prefix=prefix, quantiles=quantiles, per_head=per_head, extra_scalars=extra_scalars, suffix=suffix
-    )
-    warn_scalars_only(loggers, histogram_bins is not None or heatmap)
-    if dashboards is None:
-        options = LogOptions(
-            prefix=prefix, quantiles=quantiles, per_head=per_head, histogram_bins=histogram_bins, heatmap=heatmap
-        )
-        dashboards = Dashboards(options)
-    dashboards.write(loggers, summary, step, scalars=scalars, scalar_names=scalars, prefix=prefix, suffix=suffix)
-    return scalars
-
-
-def warn_scalars_only(loggers: Iterable[Any], pictures: bool) -> None:
-    """Tell each logger kind that is neither TensorBoard nor W&B, once, that it gets scalars only."""
-    if not pictures:
-        return
-    for logger in loggers:
-        if logger_kind(logger) == "other":
-            name = type(logger).__name__
-            _SCALARS_ONLY(
-                name,
-                f"attn_monitor: {name} gets the entropy scalars only; histograms, charts and pictures are written "
-                "to TensorBoard and W&B loggers.",
-            )
-
-
-@dataclass(frozen=True)
-class LogOptions:
-    """What the monitor logs of each summary (see :func:`log_summary`), checked at construction.
-
-    Raises:
-        TypeError, ValueError: a bad option, named.
-
-    Example:
-        >>> LogOptions(quantiles=(0.5,), histogram_bins=None).metric_bins
-        1000
-        >>> LogOptions(prefix="attn/")
-        Traceback (most recent call last):
-        ...
-        ValueError: Expected `prefix` to be a non-empty name without a trailing '/', got 'attn/'.
-    """
-
-    prefix: str = "attn_entropy"
-    quantiles: Sequence[float] = (0.05, 0.25, 0.5, 0.75, 0.95)
-    per_head: bool = True
-    histogram_bins: int | None = 100
-    heatmap: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.prefix, str) or not self.prefix or self.prefix.endswith("/"):
-            raise ValueError(f"Expected `prefix` to be a non-empty name without a trailing '/', got {self.prefix!r}.")
-        object.__setattr__(self, "quantiles", tuple(float(q) for q in self.quantiles))
-        for q in self.quantiles:
-            if not 0.0 <= q <= 1.0:
-                raise ValueError(f"Expected every quantile level in [0, 1], got {q}.")
-        if self.histogram_bins is not None:
-            check_int("histogram_bins", self.histogram_bins, 1)
-
-    @property
-    def metric_bins(self) -> int:
-        """Bins of the metric: a multiple of the logged bins, fine enough for quantiles to 0.001."""
-        bins = self.histogram_bins or 1000
-        return bins * -(-1000 // bins)
-
-    def check(self, loggers: Iterable[Any]) -> None:
-        """Refuse more histogram bins than an attached W&B logger keeps.
-
-        Raises:
-            ValueError: ``histogram_bins`` > :data:`WANDB_MAX_BINS` with a W&B logger.
-        """
-        too_many = bool(self.histogram_bins) and self.histogram_bins > WANDB_MAX_BINS  # type: ignore[operator]
-        if too_many and any(logger_kind(logger) == "wandb" for logger in loggers):
-            raise ValueError(
-                f"`histogram_bins`={self.histogram_bins} but W&B keeps at most {WANDB_MAX_BINS} bins "
-                "and silently drops the rest; pass histogram_bins <= 512."
-            )
-
-    def write(
-        self,
-        loggers: Iterable[Any],
-        summary: EntropySummary,
-        step: int,
-        *,
-        prefix: str | None = None,
-        extra_scalars: dict[str, float] | None = None,
-        suffix: str = "",
-        dashboards: Dashboards | None = None,
-    ) -> dict[str, float]:
-        """:func:`log_summary` with these options (``prefix`` overrides :attr:`prefix`)."""
-        return log_summary(
-            loggers,
-            summary,
-            step,
-            prefix=self.prefix if prefix is None else prefix,
-            quantiles=self.quantiles,
-            per_head=self.per_head,
-            histogram_bins=self.histogram_bins,
-            heatmap=self.heatmap,
-            extra_scalars=extra_scalars,
-            suffix=suffix,
-            dashboards=dashboards,
-        )
-
-    def scalars(
-        self, summary: EntropySummary, *, extra_scalars: Mapping[str, float] | None = None, suffix: str = ""
-    ) -> dict[str, float]:
-        """:func:`summary_scalars` with these options."""
-        return summary_scalars(
-            summary,
-            prefix=self.prefix,
-            quantiles=self.quantiles,
-            per_head=self.per_head,
-            extra_scalars=extra_scalars,
-            suffix=suffix,
-        )
+    dashboards = Dashboards(options) if dashboards is None else dashboards
+    return dashboards.log(sinks, summary, step, extra_scalars=extra_scalars, suffix=suffix)

@@ -5,7 +5,10 @@ reduces by sum or by max (STYLE.md §2): histogram bin counts, exact sums and
 counts, per-head maxima. :class:`LayerMetric` keeps all of them in two packed
 float64 states with one row per layer, ``sums`` and ``maxes``, named by a
 layer list. Memory is constant however many tokens are seen; merging batches,
-ranks or checkpoints is addition (or a maximum), matched by layer name.
+ranks or checkpoints is addition (or a maximum), matched by layer name. Under
+tensor parallelism a layer keeps a row per global head and each rank writes
+its slice at its offset (:meth:`LayerMetric.register_heads`), so the same sum
+counts every (query, head) once.
 
 A DDP sync costs three collectives whatever the number of layers: one
 ``all_gather_object`` of every rank's layer list with its (small) max state,
@@ -156,20 +159,48 @@ class LayerMetric(Metric):
             return
         self._lay_out(self.layers, {**self._layer_heads, name: num_heads})
 
-    def accumulate(self, layer: str, /, **values: Tensor) -> None:
+    def register_heads(self, layer: str, local_heads: int, head_offset: int = 0, num_heads: int | None = None) -> None:
+        """Register ``layer`` for values of heads ``head_offset ... head_offset + local_heads - 1`` of it.
+
+        Under tensor parallelism a rank holds a slice of a layer's heads: the
+        layer is registered with all ``num_heads`` of them, and each rank
+        writes its slice at its offset, so one sum across ranks counts every
+        (query, head) once.
+
+        Args:
+            layer: the layer name; registered on first sight.
+            local_heads: heads the values hold.
+            head_offset: the layer's head of the values' first.
+            num_heads: the layer's heads; None: ``local_heads`` (a rank holds them all).
+
+        Raises:
+            ValueError: the slice does not fit in the layer's heads, or
+                ``num_heads`` differs from an earlier registration.
+        """
+        check_int("head_offset", head_offset, 0)
+        total = local_heads if num_heads is None else num_heads
+        if head_offset + local_heads > total:
+            raise ValueError(
+                f"Layer {layer!r}: heads {head_offset} ... {head_offset + local_heads - 1} do not fit in its "
+                f"{total} heads (check `head_offset` and `num_heads`)."
+            )
+        self.register_layer(layer, total)
+
+    def accumulate(self, layer: str, head_offset: int = 0, /, **values: Tensor) -> None:
         """Fold per-head values of a registered layer into its fields.
 
         Args:
             layer: a registered layer name.
-            values: field name -> (heads, *field shape) values; sum fields add
-                them, max fields keep the elementwise maximum.
+            head_offset: the layer's head of the values' first row (see :meth:`register_heads`).
+            values: field name -> (local heads, *field shape) values; sum
+                fields add them, max fields keep the elementwise maximum.
         """
-        index, heads = self.layers.index(layer), self._layer_heads[layer]
-        rows = {state: getattr(self, state)[index, :heads] for state in _STATES}
+        index = self.layers.index(layer)
+        rows = {state: getattr(self, state)[index] for state in _STATES}
         for name, value in values.items():
             state, columns, _ = self._fields[name]
-            target = rows[state][:, columns]
-            value = value.to(target).reshape(heads, -1)
+            target = rows[state][head_offset : head_offset + value.shape[0], columns]
+            value = value.to(target).reshape(target.shape)
             if state == "sums":
                 target.add_(value)
             else:
@@ -216,7 +247,7 @@ class LayerMetric(Metric):
         # torchmetrics adds the batch's state to a snapshot of the global one:
         # both must already have the layer's row.
         if isinstance(values, Tensor) and values.dim() == 3:
-            self.register_layer(layer, values.shape[1])
+            self.register_heads(layer, values.shape[1], kwargs.get("head_offset", 0), kwargs.get("num_heads"))
         return super().forward(layer, values, *args, **kwargs)
 
     def _sync_dist(self, dist_sync_fn: Callable | None = None, process_group: Any | None = None) -> None:
@@ -611,6 +642,9 @@ class AttentionEntropy(LayerMetric):
         entropy: Tensor,
         num_valid: Tensor,
         is_sample: Tensor | None = None,
+        *,
+        head_offset: int = 0,
+        num_heads: int | None = None,
     ) -> None:
         """Add one attention call's per-query entropy.
 
@@ -622,6 +656,9 @@ class AttentionEntropy(LayerMetric):
             num_valid: valid keys per query, broadcastable to ``entropy``.
             is_sample: bool, broadcastable to ``entropy``; False for padding
                 queries. None: every query is a sample.
+            head_offset, num_heads: where ``entropy``'s heads sit among the
+                layer's (tensor parallelism, see :meth:`~LayerMetric.register_heads`);
+                by default they are all of them.
 
         Raises:
             TypeError: wrong types or dtypes.
@@ -663,7 +700,7 @@ class AttentionEntropy(LayerMetric):
         values = torch.where(counted, entropy, 0.0)
         if (values < -1e-4).any() or (values > limit + 1e-3).any():
             raise ValueError("`entropy` must lie in [0, ln(num_valid)] on counted queries (nats, not normalised).")
-        self.register_layer(layer, entropy.shape[1])
+        self.register_heads(layer, entropy.shape[1], head_offset, num_heads)
 
         normalized = torch.where(counted & has_choice, normalize_entropy(values, num_valid), 0.0)
         nats = values.clamp(min=0.0)
@@ -674,6 +711,7 @@ class AttentionEntropy(LayerMetric):
         sequence_mean = normalized.sum(2) / per_sequence.clamp(min=1)
         self.accumulate(
             layer,
+            head_offset,
             hist=_head_histogram(normalized, weight, self.num_bins, 1.0),
             hist_nats=_head_histogram(nats, weight, self.nats_bins, self.max_nats),
             count=per_sequence.sum(0),
@@ -779,7 +817,15 @@ class AttentionMass(LayerMetric):
             layers, sum_fields={"hist": (self.num_bins,), **per_head}, config={"num_bins": self.num_bins}, **kwargs
         )
 
-    def update(self, key: str, mass: Tensor, is_sample: Tensor | None = None) -> None:
+    def update(
+        self,
+        key: str,
+        mass: Tensor,
+        is_sample: Tensor | None = None,
+        *,
+        head_offset: int = 0,
+        num_heads: int | None = None,
+    ) -> None:
         """Add per-query mass fractions.
 
         Args:
@@ -788,6 +834,7 @@ class AttentionMass(LayerMetric):
                 not samples are ignored, NaN or infinite values of samples are
                 left out and tallied in ``nonfinite``.
             is_sample: bool, broadcastable to ``mass``; None: all queries.
+            head_offset, num_heads: as in :meth:`AttentionEntropy.update`.
 
         Raises:
             TypeError, ValueError: wrong types, shapes, or values outside [0, 1].
@@ -810,11 +857,12 @@ class AttentionMass(LayerMetric):
         values = torch.where(counted, mass, 0.0)
         if (values < -1e-6).any() or (values > 1 + 1e-6).any():
             raise ValueError("Expected `mass` in [0, 1] on counted queries.")
-        self.register_layer(key, mass.shape[1])
+        self.register_heads(key, mass.shape[1], head_offset, num_heads)
         mass = values.clamp(0.0, 1.0)
         weight = counted.to(torch.float64)
         self.accumulate(
             key,
+            head_offset,
             hist=_head_histogram(mass, weight, self.num_bins, 1.0),
             count=counted.sum((0, 2)),
             sum=mass.sum((0, 2)),

@@ -4,8 +4,9 @@ A :class:`Recorder` attaches one :class:`~attn_monitor.capture.AttentionCapture`
 to the watched model and keeps a :class:`Stream` per purpose (each
 validation dataloader, the training steps). A recording names its stream,
 and the stream's consumers are handed to the capture when the recording
-starts; nothing is reassigned afterwards. No Lightning here: the callback
-passes the module and the batch.
+starts; nothing is reassigned afterwards. :class:`Statistics` says what
+each stream measures beside entropy. No training framework here: the
+monitor passes the module and the batch.
 """
 
 from __future__ import annotations
@@ -28,10 +29,72 @@ from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary,
 from attn_monitor.names import named_layers
 from attn_monitor.shared import WarnOnce, matches
 
-__all__ = ["BatchMask", "Recorder", "Stream"]
+__all__ = ["BatchMask", "Recorder", "Statistics", "Stream"]
 
 #: ``function(batch) -> (batch, seq) tensor | None``: the padding mask or document ids of a batch.
 BatchMask = Callable[[Any], "Tensor | None"]
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """What the monitor measures beside entropy; checked at construction.
+
+    Args:
+        include_single_key: count one-key queries (see :class:`AttentionEntropy`).
+        sink_tokens: the attention-sink mass on the first ``sink_tokens`` real
+            tokens of each sequence (document), logged as ``attn_sink_mass/...``.
+        eviction: (sink_tokens, window) KV-cache policies whose kept mass is
+            logged as ``attn_coverage_s{s}_w{w}/...``.
+        leakage: cross-document leakage (``attn_leakage/...``), with one
+            warning naming the layers when a packed batch's documents are not
+            isolated by the model's mask. Needs document ids.
+        max_logit: each layer's largest attention logit over heads and sampled
+            queries, ``attn_max_logit/{layer}/max`` (and per head); not for
+            layers that return probabilities, which are named in one warning.
+        distance: the mean attention distance ``E|i - j|`` in positions,
+            ``attn_distance/{layer}/mean`` (and per head), self-attention layers.
+
+    The mass diagnostics, max logit and distance are measured on validation
+    batches only (see :class:`MassDiagnostics` and :class:`StatisticsUpdate`).
+
+    Raises:
+        TypeError, ValueError: a bad option, named.
+
+    Example:
+        >>> Statistics(sink_tokens=4).masses, Statistics(max_logit=True).heads
+        (True, True)
+        >>> Statistics(distance="yes")
+        Traceback (most recent call last):
+        ...
+        TypeError: Expected `distance` to be a bool, got str 'yes'.
+    """
+
+    include_single_key: bool = False
+    sink_tokens: int | None = None
+    eviction: Sequence[tuple[int, int]] = ()
+    leakage: bool = False
+    max_logit: bool = False
+    distance: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_logit", "distance"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"Expected `{name}` to be a bool, got {type(value).__name__} {value!r}.")
+        checked = MassDiagnostics(sink_tokens=self.sink_tokens, eviction=self.eviction, leakage=self.leakage)
+        object.__setattr__(self, "eviction", tuple(checked.eviction))
+        object.__setattr__(self, "leakage", checked.leakage)
+        object.__setattr__(self, "include_single_key", bool(self.include_single_key))
+
+    @property
+    def masses(self) -> bool:
+        """Whether a mass diagnostic is on."""
+        return self.sink_tokens is not None or bool(self.eviction) or self.leakage
+
+    @property
+    def heads(self) -> bool:
+        """Whether a head statistic (max logit, distance) is on."""
+        return self.max_logit or self.distance
 
 
 @dataclass
@@ -56,6 +119,8 @@ class Recorder:
     """Capture attention of a model on chosen batches into per-purpose metrics.
 
     Args:
+        statistics: what each stream measures beside entropy (mass
+            diagnostics and head statistics go to the streams that ask for them).
         padding_mask: ``padding_mask(batch) -> (batch, seq)`` real tokens;
             default: a dict batch's ``attention_mask``.
         document_ids: ``document_ids(batch) -> (batch, seq)``; default: a dict
@@ -64,11 +129,6 @@ class Recorder:
         layers: layer name patterns; each must match a module at :meth:`attach`.
         adapters: module name pattern -> adapter (see :class:`AttentionCapture`).
         num_bins: histogram bins of every entropy metric.
-        include_single_key: count one-key queries (see :class:`AttentionEntropy`).
-        sink_tokens, eviction, leakage: mass diagnostics of the streams that
-            ask for them (see :class:`MassDiagnostics`).
-        max_logit, distance: per-head max logit and mean attention distance
-            of the streams that ask for diagnostics (see :class:`StatisticsUpdate`).
 
     Raises:
         TypeError, ValueError: a bad argument, named.
@@ -88,6 +148,7 @@ class Recorder:
 
     def __init__(
         self,
+        statistics: Statistics | None = None,
         *,
         padding_mask: BatchMask | None = None,
         document_ids: BatchMask | None = None,
@@ -95,13 +156,10 @@ class Recorder:
         layers: Sequence[str] | None = None,
         adapters: Mapping[str, Adapter] | None = None,
         num_bins: int = 1000,
-        include_single_key: bool = False,
-        sink_tokens: int | None = None,
-        eviction: Sequence[tuple[int, int]] = (),
-        leakage: bool = False,
-        max_logit: bool = False,
-        distance: bool = False,
     ) -> None:
+        self.statistics = Statistics() if statistics is None else statistics
+        if not isinstance(self.statistics, Statistics):
+            raise TypeError(f"Expected `statistics` to be a Statistics, got {type(self.statistics).__name__}.")
         for name, value in (("padding_mask", padding_mask), ("document_ids", document_ids), ("module", module)):
             if value is not None and not callable(value):
                 raise TypeError(f"Expected `{name}` to be callable, got {type(value).__name__}.")
@@ -113,12 +171,6 @@ class Recorder:
         self.layers = None if layers is None else list(layers)
         self.adapters = dict(adapters or {})
         self.num_bins = num_bins
-        self.include_single_key = bool(include_single_key)
-        # Checks the arguments now, not at the first stream; each stream gets a copy.
-        self._diagnostics = MassDiagnostics(sink_tokens=sink_tokens, eviction=eviction, leakage=leakage)
-        self.diagnostics = self._diagnostics.enabled
-        self.max_logit = bool(max_logit)
-        self.distance = bool(distance)
         # One set of layer warnings for every stream: a layer is named once, not once per dataloader.
         self._statistics_warnings = WarnOnce()
         self.capture: AttentionCapture | None = None
@@ -161,24 +213,24 @@ class Recorder:
             self.capture = None
 
     def stream(self, key: Hashable, *, diagnostics: bool = True) -> Stream:
-        """The stream of ``key``, made on first use (with mass diagnostics if on and ``diagnostics``)."""
+        """The stream of ``key``, made on first use (with the statistics asked for, if ``diagnostics``)."""
         if key not in self.streams:
-            entropy = AttentionEntropy(num_bins=self.num_bins, include_single_key=self.include_single_key)
+            asked = self.statistics
+            entropy = AttentionEntropy(num_bins=self.num_bins, include_single_key=asked.include_single_key)
             masses = None
-            if diagnostics and self.diagnostics:
-                template = self._diagnostics
+            if diagnostics and asked.masses:
                 masses = MassDiagnostics(
-                    sink_tokens=template.sink_tokens,
-                    eviction=template.eviction,
-                    leakage=template.leakage,
+                    sink_tokens=asked.sink_tokens,
+                    eviction=asked.eviction,
+                    leakage=asked.leakage,
                     metric=AttentionMass().to(self._device),
                 )
             statistics = None
-            if diagnostics and (self.max_logit or self.distance):
+            if diagnostics and asked.heads:
                 statistics = StatisticsUpdate(
                     AttentionStatistics().to(self._device),
-                    max_logit=self.max_logit,
-                    distance=self.distance,
+                    max_logit=asked.max_logit,
+                    distance=asked.distance,
                     warn_once=self._statistics_warnings,
                 )
             self.streams[key] = Stream(entropy.to(self._device), masses, statistics)

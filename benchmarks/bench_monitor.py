@@ -66,9 +66,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 from train_tiny_gpt import MAX_LEN, CopyDataset, CopyModel  # type: ignore[import-not-found]
 
-from attn_monitor import AttentionEntropy, AttentionEntropyMonitor
+from attn_monitor import AttentionEntropy, AttentionEntropyMonitor, LogOptions
 from attn_monitor import callback as callback_module
-from attn_monitor.loggers import logged_through_lightning, per_layer
+from attn_monitor.callback import logged_through_lightning
+from attn_monitor.loggers import per_layer
 
 BATCH_SIZE = 64
 NUM_LAYERS = 2  # the demo's TinyGPT
@@ -110,7 +111,7 @@ def _monitor(batches: int, figures: bool = True) -> AttentionEntropyMonitor:
     """The demo's monitor; histograms (100 bins) and the heatmap on (``figures``) or off."""
     if figures:
         return AttentionEntropyMonitor(batches=batches, module=_gpt)
-    return AttentionEntropyMonitor(batches=batches, module=_gpt, histogram_bins=None, heatmap=False)
+    return AttentionEntropyMonitor(batches=batches, log=LogOptions(histogram_bins=None, heatmap=False), module=_gpt)
 
 
 def _paired(first: list[float], second: list[float], fn: Callable[[float, float], float]) -> list[float]:
@@ -210,7 +211,8 @@ def bench_validation(val_batches: int, repeats: int, threads: int, memory: bool)
         f"{repeats} interleaved repeats (order rotated), each a fresh Trainer + TensorBoardLogger (temporary "
         "directory) + monitor on the same model and dataloader; monitored = `AttentionEntropyMonitor(batches=k)` "
         "logging scalars, per-head stats, 100-bin histograms and the heatmap figure at the epoch end (last row: "
-        "scalars only, `histogram_bins=None, heatmap=False`). Only `validate` is timed. validate ms: median; "
+        "scalars only, `log=LogOptions(histogram_bins=None, heatmap=False)`). Only `validate` is timed. "
+        "validate ms: median; "
         "ratio and extra: median [inter-quartile range] over repeats of the paired (same repeat) ratio to the "
         "unmonitored run and of (monitored - unmonitored) / k, epoch-end work included.",
         "",
@@ -503,7 +505,7 @@ class _TimedMonitor(AttentionEntropyMonitor):
 
         pl_module.log_dict = timed_log_dict  # type: ignore[method-assign]
         if self.everything_through_log:
-            callback_module.logged_through_lightning = lambda name, suffix="": per_layer(name)
+            callback_module.logged_through_lightning = per_layer  # type: ignore[assignment]
         start = time.perf_counter()
         try:
             super().on_validation_epoch_end(trainer, pl_module)
@@ -526,10 +528,9 @@ def bench_fixed_cost(layers: int, heads: int, repeats: int, threads: int) -> str
     configs: dict[str, dict[str, Any] | None] = {
         "no monitor": None,
         "default logging": {},
-        "scalars only": {"histogram_bins": None, "heatmap": False},
+        "scalars only": {"log": LogOptions(histogram_bins=None, heatmap=False)},
         "scalars only, every per-layer statistic through `log_dict`": {
-            "histogram_bins": None,
-            "heatmap": False,
+            "log": LogOptions(histogram_bins=None, heatmap=False),
             "everything_through_log": True,
         },
     }

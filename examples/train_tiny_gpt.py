@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from attn_monitor import Statistics
 from attn_monitor.callback import AttentionEntropyMonitor
 from attn_monitor.capture import evaluate_attention
 from attn_monitor.figures import history_picture, save_heatmap
@@ -323,9 +324,12 @@ def main() -> None:
 
     # Per-layer and per-head entropy on the same two validation batches every epoch.
     # The monitor watches the GPT itself, so layers are named "blocks.0.attn", "blocks.1.attn".
-    # distance=True also logs each head's mean attention distance (attn_distance_heads/... in TensorBoard).
+    # Statistics(distance=True) also logs each head's mean attention distance (attn_distance_heads/... in TensorBoard).
     monitor = AttentionEntropyMonitor(
-        batches=2, per_head=True, module=lambda module: module.gpt, save_summaries=True, distance=True
+        batches=2,
+        statistics=Statistics(distance=True),
+        module=lambda module: module.gpt,
+        save_summaries=True,
     )
     history = History(monitor)
     loggers: list[Logger] = [TensorBoardLogger(args.logdir, name="tiny_gpt")]
@@ -364,7 +368,7 @@ def main() -> None:
     from PIL import Image
 
     for layer in history.summaries[-1].layers:
-        steps, medians = monitor.dashboards.medians_over_time(layer, prefix=monitor.options.prefix)
+        steps, medians = monitor.core.dashboards.medians_over_time(layer, prefix=monitor.core.options.prefix)
         Image.fromarray(history_picture(layer, steps, medians).pixels).save(out / f"over_training_{layer}.png")
     print(f"Pictures: {out}/heatmap_epoch0.png (first epoch), heatmap.png (last), over_training_<layer>.png")
     print(f"TensorBoard logs: {loggers[0].log_dir}")

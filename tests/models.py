@@ -38,9 +38,11 @@ INIT_RANGE = 0.3
 SHARPEN = 4.0
 
 __all__ = [
+    "GPT_NEO_WINDOW",
     "HEADS",
     "HIDDEN",
     "LAYERS",
+    "SWIN_SIZES",
     "VOCAB",
     "WHISPER_MEL_BINS",
     "WHISPER_SOURCE",
@@ -361,7 +363,20 @@ def transformer_encoder(batch_first: bool, *, dropout: float = 0.0, seed: int = 
 ZOO_HIDDEN, ZOO_HEADS = 32, 4
 #: Far larger than Hugging Face's defaults (tiny random models otherwise attend almost uniformly), and
 #: not so large that every head turns one-hot: heads must differ for a reference to prove anything.
-ZOO_INIT = {"bart": 0.7, "t5": 1.5, "whisper": 0.7, "bloom": 1.0, "mpt": 0.7}
+ZOO_INIT = {
+    "bart": 0.7,
+    "t5": 1.5,
+    "whisper": 0.7,
+    "bloom": 1.0,
+    "mpt": 0.7,
+    "gpt_neo": 0.3,
+    "deberta_v2": 0.3,
+    "swin": 0.3,
+}
+#: GPT-Neo's local layers see this many most recent keys (its ``window_size``); layer 0 is global, 1 local.
+GPT_NEO_WINDOW = 4
+#: Swin: (image size, patch size, window size); 16 x 16 patches in windows of 4 x 4, shifted every other block.
+SWIN_SIZES = (32, 2, 4)
 
 
 def _zoo_config(family: str) -> tuple[type, object]:
@@ -429,6 +444,45 @@ def _zoo_config(family: str) -> tuple[type, object]:
             **common,
         )
         return transformers.MptForCausalLM, config
+    if family == "gpt_neo":
+        config = transformers.GPTNeoConfig(
+            hidden_size=ZOO_HIDDEN,
+            num_layers=LAYERS,
+            attention_types=[[["global", "local"], LAYERS // 2]],
+            num_heads=ZOO_HEADS,
+            intermediate_size=2 * ZOO_HIDDEN,
+            window_size=GPT_NEO_WINDOW,
+            max_position_embeddings=MAX_LEN,
+            initializer_range=ZOO_INIT[family],
+            **common,
+        )
+        return transformers.GPTNeoForCausalLM, config
+    if family == "deberta_v2":
+        config = transformers.DebertaV2Config(
+            hidden_size=ZOO_HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=ZOO_HEADS,
+            intermediate_size=2 * ZOO_HIDDEN,
+            max_position_embeddings=MAX_LEN,
+            relative_attention=True,
+            pos_att_type=["p2c", "c2p"],
+            position_buckets=8,
+            initializer_range=ZOO_INIT[family],
+            **common,
+        )
+        return transformers.DebertaV2Model, config
+    if family == "swin":
+        image, patch, window = SWIN_SIZES
+        config = transformers.SwinConfig(
+            image_size=image,
+            patch_size=patch,
+            embed_dim=32,
+            depths=[2, 2],
+            num_heads=[4, 4],
+            window_size=window,
+            initializer_range=ZOO_INIT[family],
+        )
+        return transformers.SwinModel, config
     raise ValueError(f"Unknown family {family!r}.")
 
 
@@ -439,9 +493,11 @@ WHISPER_SOURCE = 10
 
 
 def zoo_model(family: str, implementation: str, *, seed: int = 0) -> nn.Module:
-    """A tiny random ``family`` model ("bart", "t5", "whisper", "bloom", "mpt") in eval mode.
+    """A tiny random ``family`` model in eval mode: "bart", "t5", "whisper", "bloom", "mpt", "gpt_neo",
+    "deberta_v2", "swin".
 
-    Bloom and MPT have eager attention only. The config is deep-copied (see :func:`hf_model`).
+    Bloom, MPT and DeBERTa-v2 have eager attention only; GPT-Neo eager (or flash). The config is deep-copied
+    (see :func:`hf_model`).
     """
     cls, config = _zoo_config(family)
     torch.manual_seed(seed)

@@ -38,6 +38,7 @@ __all__ = [
     "entropy_from_scores",
     "head_means",
     "is_sample",
+    "lse_from_qk",
     "make_spec",
     "max_logit_from_qk",
     "normalize",
@@ -365,3 +366,15 @@ def head_means(probs: Tensor, visible: Tensor, real: Tensor) -> tuple[Tensor, Te
     normalised = torch.where(counted, entropy / n.clamp(min=2).to(torch.float64).log(), 0.0)
     counts = counted.sum((0, 2))
     return normalised.sum((0, 2)) / counts.clamp(min=1).to(torch.float64), counts
+
+
+def lse_from_qk(q: Tensor, k: Tensor, support: Tensor, scale: float | None = None) -> Tensor:
+    """(B, H, Nq) float64 logsumexp of the visible logits, term by term; -inf when none is visible."""
+
+    def lse(_: int, row: list[tuple[int, float]]) -> float:
+        if not row:
+            return -math.inf
+        top = max(s for _, s in row)
+        return top + math.log(math.fsum(math.exp(s - top) for _, s in row))
+
+    return _per_row_indexed(scores_from_qk(q, k, scale), support, lse)

@@ -38,6 +38,7 @@ import socket
 import struct
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import Tensor, nn
 
+from attn_monitor import Batches, CollapseAlert, LogOptions
 from attn_monitor.callback import AttentionEntropyMonitor
 from tests import lightning_models as lm
 from tests import models, reference
@@ -277,7 +279,7 @@ def gpt_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             loggers.append(
                 WandbLogger(save_dir=str(root), offline=True, project="attn-monitor-tests", settings=wandb_settings())
             )
-        monitor = AttentionEntropyMonitor(train_every_n_steps=TRAIN_EVERY)  # batches=2 by default
+        monitor = AttentionEntropyMonitor(batches=Batches(train_every_n_steps=TRAIN_EVERY))  # batches=2 by default
         recorder = lm.BatchRecorder(train_every=TRAIN_EVERY)
         trainer = make_trainer(root, loggers=loggers, callbacks=[monitor, recorder])
         try:
@@ -598,7 +600,9 @@ def test_wandb_too_many_bins_raises_at_setup(tmp_path: Path, monkeypatch: pytest
     model = lm.TinyGPT()
     hooks = total_hooks(model)
     logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="attn-monitor-tests", settings=wandb_settings())
-    trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[AttentionEntropyMonitor(histogram_bins=1000)])
+    trainer = make_trainer(
+        tmp_path, loggers=[logger], callbacks=[AttentionEntropyMonitor(log=LogOptions(histogram_bins=1000))]
+    )
     try:
         with pytest.raises(ValueError, match="histogram_bins"):
             trainer.fit(model, lm.loader(lm.make_batches(1, seed=0)), lm.loader(lm.make_batches(1, seed=1)))
@@ -635,7 +639,7 @@ def test_hf_eager_model_inside_lightning_module_is_monitored(tmp_path: Path) -> 
     so nothing is captured and the run only warns "captured no attention call".
     """
     pytest.importorskip("transformers")
-    monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(batches=2, log=LogOptions(histogram_bins=None, heatmap=False))
     model = lm.HFLM(implementation="eager", lr=0.0)
     val = lm.make_batches(2, seed=4)
     trainer = make_trainer(tmp_path, callbacks=[monitor], max_epochs=1, limit_train_batches=1)
@@ -643,13 +647,15 @@ def test_hf_eager_model_inside_lightning_module_is_monitored(tmp_path: Path) -> 
     assert monitor.last_summary is not None, "nothing was captured from the eager HF model"
     assert monitor.last_summary.layers == lm.HF_LAYERS
     samples = hf_reference(model.state_dict(), val)
-    check_against_reference(monitor.options.scalars(monitor.last_summary), samples)
+    check_against_reference(monitor.core.options.scalars(monitor.last_summary), samples)
 
 
 def test_hf_eager_model_with_module_option(tmp_path: Path) -> None:
     """``module=`` points the monitor at the HF model itself: eager attention is then found, names relative to it."""
     pytest.importorskip("transformers")
-    monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None, heatmap=False, module=lambda m: m.model)
+    monitor = AttentionEntropyMonitor(
+        batches=2, log=LogOptions(histogram_bins=None, heatmap=False), module=lambda m: m.model
+    )
     model = lm.HFLM(implementation="eager", lr=0.0)
     val = lm.make_batches(2, seed=4)
     trainer = make_trainer(tmp_path, callbacks=[monitor], max_epochs=1, limit_train_batches=1)
@@ -659,7 +665,7 @@ def test_hf_eager_model_with_module_option(tmp_path: Path) -> None:
     names = [name.removeprefix("model.") for name in lm.HF_LAYERS]
     assert summary.layers == names
     samples = hf_reference(model.state_dict(), val)
-    check_against_reference(monitor.options.scalars(summary), {n: samples[f"model.{n}"] for n in names})
+    check_against_reference(monitor.core.options.scalars(summary), {n: samples[f"model.{n}"] for n in names})
 
 
 # --------------------------------------------------------------------------- which batches
@@ -697,7 +703,7 @@ def _reference_means(model: lm.TinyGPT, batches: list[dict[str, Tensor]]) -> lis
 
 
 def test_explicit_batch_indices(tmp_path: Path) -> None:
-    monitor = AttentionEntropyMonitor(batches=[4, 1], histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(batches=[4, 1], log=LogOptions(histogram_bins=None, heatmap=False))
     logger, _, model, val = _fit_memory(tmp_path, monitor, max_epochs=1)
     assert monitor.sampled_indices(len(val)) == (1, 4)
     chosen = [val[1], val[4]]
@@ -711,7 +717,7 @@ def test_explicit_batch_indices(tmp_path: Path) -> None:
 
 def test_trainer_validate_under_inference_mode(tmp_path: Path) -> None:
     """``trainer.validate`` runs under torch.inference_mode (fit's validation under no_grad): same numbers."""
-    monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(batches=2, log=LogOptions(histogram_bins=None, heatmap=False))
     logger = lm.MemoryLogger()
     model, val = lm.TinyGPT(), lm.make_batches(3, seed=12)
     trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor])
@@ -726,7 +732,9 @@ def test_trainer_validate_under_inference_mode(tmp_path: Path) -> None:
 def test_sanity_check_sets_no_alert_baseline_and_stops_nothing(tmp_path: Path) -> None:
     """The sanity check is recorded when asked for, but it is no monitored epoch for the alerts."""
     monitor = AttentionEntropyMonitor(
-        batches=1, skip_sanity_check=False, collapse_threshold=1.0, stop_on_collapse=True, histogram_bins=None
+        batches=Batches(1, skip_sanity_check=False),
+        log=LogOptions(histogram_bins=None),
+        alerts=[CollapseAlert(threshold=1.0, stop=True)],
     )
     trainer = make_trainer(
         tmp_path, loggers=[lm.MemoryLogger()], callbacks=[monitor], max_epochs=1, num_sanity_val_steps=1
@@ -734,7 +742,7 @@ def test_sanity_check_sets_no_alert_baseline_and_stops_nothing(tmp_path: Path) -
     trainer.fit(lm.TinyGPT(), lm.loader(lm.make_batches(2, seed=1)), lm.loader(lm.make_batches(2, seed=2)))
     assert trainer.global_step == 2  # the first epoch trained; the collapse flagged after it stops the run
     summary = monitor.last_summary
-    assert summary is not None and torch.equal(monitor.collapse.baselines[0], summary.quantile(0.5))
+    assert summary is not None and torch.equal(monitor.core.alerts[0].baselines[0], summary.quantile(0.5))
 
 
 def _draw(seed: int, population: int, count: int) -> tuple[int, ...]:
@@ -747,7 +755,9 @@ def test_random_sample_same_indices_every_epoch_and_after_reload(tmp_path: Path)
     # ignoring `seed` (or not drawing at all) records other batches and logs other means.
     seed = next(s for s in range(1, 100) if _draw(s, 6, 2) not in {(0, 1), _draw(0, 6, 2)})
     indices = _draw(seed, 6, 2)
-    monitor = AttentionEntropyMonitor(batches=2, random_sample=True, seed=seed, histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(
+        batches=Batches(2, random_sample=True, seed=seed), log=LogOptions(histogram_bins=None, heatmap=False)
+    )
     logger, trainer, model, val = _fit_memory(tmp_path, monitor, max_epochs=2, enable_checkpointing=True)
     want = _reference_means(model, [val[i] for i in indices])
     assert want != pytest.approx(_reference_means(model, [val[i] for i in _draw(0, 6, 2)]), abs=MEAN_TOL)
@@ -760,14 +770,16 @@ def test_random_sample_same_indices_every_epoch_and_after_reload(tmp_path: Path)
     assert int(summary.count.sum()) == count_queries(gpt_reference(model.state_dict(), [val[i] for i in indices]))
 
     # state_dict round trip: a monitor with another seed that loads the state uses the same batches.
-    other = AttentionEntropyMonitor(batches=2, random_sample=True, seed=seed + 1)
+    other = AttentionEntropyMonitor(batches=Batches(2, random_sample=True, seed=seed + 1))
     other.load_state_dict(copy.deepcopy(monitor.state_dict()))
     assert other.sampled_indices(len(val)) == indices
 
     # ... and through a Lightning checkpoint: resume for one more epoch with a differently seeded monitor.
     checkpoint = tmp_path / "resume.ckpt"
     trainer.save_checkpoint(checkpoint)
-    resumed = AttentionEntropyMonitor(batches=2, random_sample=True, seed=seed + 7, histogram_bins=None, heatmap=False)
+    resumed = AttentionEntropyMonitor(
+        batches=Batches(2, random_sample=True, seed=seed + 7), log=LogOptions(histogram_bins=None, heatmap=False)
+    )
     logger2 = lm.MemoryLogger()
     trainer2 = make_trainer(tmp_path, loggers=[logger2], callbacks=[resumed], max_epochs=3, limit_train_batches=2)
     trainer2.fit(lm.TinyGPT(lr=0.0), lm.loader(lm.make_batches(2, seed=10)), lm.loader(val), ckpt_path=str(checkpoint))
@@ -778,7 +790,9 @@ def test_random_sample_same_indices_every_epoch_and_after_reload(tmp_path: Path)
 
 def test_every_n_epochs_counts_epochs_as_lightning_does(tmp_path: Path) -> None:
     """every_n_epochs=2 monitors epochs 1, 3, ...: those ``ModelCheckpoint(every_n_epochs=2)`` saves at."""
-    monitor = AttentionEntropyMonitor(every_n_epochs=2, histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(
+        batches=Batches(every_n_epochs=2), log=LogOptions(histogram_bins=None, heatmap=False)
+    )
     recorder = lm.BatchRecorder()
     logger, trainer, _, _ = _fit_memory(tmp_path, monitor, max_epochs=4, val_batches=2, extra_callbacks=[recorder])
     # 2 training batches per epoch: validation ends at global steps 2 (epoch 0), 4 (epoch 1), 6 (epoch 2), 8.
@@ -789,8 +803,8 @@ def test_every_n_epochs_counts_epochs_as_lightning_does(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("skip", [True, False], ids=["skip_sanity", "monitor_sanity"])
 def test_sanity_check(tmp_path: Path, skip: bool) -> None:
-    kwargs = {} if skip else {"skip_sanity_check": False}
-    monitor = AttentionEntropyMonitor(histogram_bins=None, heatmap=False, **kwargs)
+    kwargs: dict[str, Any] = {} if skip else {"batches": Batches(skip_sanity_check=False)}
+    monitor = AttentionEntropyMonitor(log=LogOptions(histogram_bins=None, heatmap=False), **kwargs)
     logger, _, model, val = _fit_memory(tmp_path, monitor, max_epochs=1, val_batches=3, num_sanity_val_steps=2)
     steps = logger.steps_of(f"{PREFIX}/mean")
     assert steps == ([1] if skip else [0, 1])
@@ -808,7 +822,9 @@ def test_train_every_n_steps_with_gradient_accumulation(tmp_path: Path) -> None:
     accumulation window, so both micro-batches of steps 0 and 2 are recorded
     and logged separately: 4 entries, at steps 0, 1, 2, 3.
     """
-    monitor = AttentionEntropyMonitor(batches=0, train_every_n_steps=2, histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(
+        batches=Batches(0, train_every_n_steps=2), log=LogOptions(histogram_bins=None, heatmap=False)
+    )
     logger = lm.MemoryLogger()
     trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor], max_epochs=1, accumulate_grad_batches=2)
     trainer.fit(lm.TinyGPT(), lm.loader(lm.make_batches(8, seed=0)), lm.loader(lm.make_batches(1, seed=1)))
@@ -826,7 +842,7 @@ def test_no_sampled_batch_reached_does_not_claim_attention_is_invisible(tmp_path
     also 0 when no batch was recorded at all. The model's SDPA attention is
     perfectly visible.
     """
-    monitor = AttentionEntropyMonitor(batches=[10], histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(batches=[10], log=LogOptions(histogram_bins=None, heatmap=False))
     logger = lm.MemoryLogger()
     trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor], max_epochs=1)
     with warnings.catch_warnings(record=True) as caught:
@@ -845,21 +861,42 @@ def test_no_sampled_batch_reached_does_not_claim_attention_is_invisible(tmp_path
     [
         ({"batches": -1}, ValueError, "batches"),
         ({"batches": [0, -2]}, ValueError, "batches"),
-        ({"every_n_epochs": 0}, ValueError, "every_n_epochs"),
-        ({"quantiles": (0.5, 1.5)}, ValueError, "quantile"),
-        ({"quantiles": (-0.1,)}, ValueError, "quantile"),
+        ({"batches": "2"}, TypeError, "batches"),
         ({"padding_mask": "attention_mask"}, TypeError, "padding_mask"),
-        ({"train_every_n_steps": 0}, ValueError, "train_every_n_steps"),
-        ({"histogram_bins": 0}, ValueError, "histogram_bins"),
-        ({"batches": [1, 2], "random_sample": True}, ValueError, "random_sample"),
         ({"layers": "blocks.*"}, TypeError, "layers"),
-        ({"prefix": "attn/"}, ValueError, "prefix"),
+        ({"log": {"prefix": "attn"}}, TypeError, "`log` to be a LogOptions"),
+        ({"statistics": True}, TypeError, "`statistics` to be a Statistics"),
+        ({"alerts": [0.1]}, TypeError, "entry of `alerts`"),
+        ({"alerts": [CollapseAlert(0.1), CollapseAlert(drop=0.5)]}, ValueError, "two CollapseAlerts"),
+        ({"alerts": [CollapseAlert()]}, ValueError, "nothing to check"),
     ],
     ids=lambda v: repr(v) if isinstance(v, dict) else None,
 )
 def test_bad_configuration_raises_at_construction(kwargs: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         AttentionEntropyMonitor(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: Batches(every_n_epochs=0), ValueError, "every_n_epochs"),
+        (lambda: Batches(train_every_n_steps=0), ValueError, "train_every_n_steps"),
+        (lambda: Batches([1, 2], random_sample=True), ValueError, "random_sample"),
+        (lambda: Batches(seed=-1), ValueError, "seed"),
+        (lambda: LogOptions(quantiles=(0.5, 1.5)), ValueError, "quantile"),
+        (lambda: LogOptions(quantiles=(-0.1,)), ValueError, "quantile"),
+        (lambda: LogOptions(histogram_bins=0), ValueError, "histogram_bins"),
+        (lambda: LogOptions(prefix="attn/"), ValueError, "prefix"),
+        (lambda: CollapseAlert(threshold=1.5), ValueError, "`threshold` of CollapseAlert"),
+    ],
+    ids=["every_n_epochs", "train_every_n_steps", "random_sample", "seed", "quantile", "negative_quantile",
+         "histogram_bins", "prefix", "collapse_threshold"],
+)  # fmt: skip
+def test_bad_options_raise_at_construction(make: Callable[[], object], error: type, match: str) -> None:
+    """Each option object checks its own fields, eagerly, naming the field."""
+    with pytest.raises(error, match=match):
+        make()
 
 
 def test_layer_pattern_matching_nothing_raises_during_fit(tmp_path: Path) -> None:
@@ -884,7 +921,7 @@ def test_exception_in_monitored_batch_leaves_nothing_behind(tmp_path: Path, wher
         monitor = AttentionEntropyMonitor()
     else:
         model.fail_on_train_batch = 1
-        monitor = AttentionEntropyMonitor(train_every_n_steps=1)
+        monitor = AttentionEntropyMonitor(batches=Batches(train_every_n_steps=1))
     hooks, modes = total_hooks(model), function_modes()
     assert modes == []
     inside: dict[str, int] = {}
@@ -934,7 +971,7 @@ def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch:
     model = lm.TinyGPT(lr=0.0, seed=5)
     state = copy.deepcopy(model.state_dict())
 
-    monitor = AttentionEntropyMonitor(batches=2, heatmap=False)
+    monitor = AttentionEntropyMonitor(batches=2, log=LogOptions(heatmap=False))
     logger = CSVLogger(tmp_path, name="ddp")
     trainer = make_trainer(
         tmp_path,
@@ -973,7 +1010,7 @@ def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch:
     single = make_trainer(
         tmp_path,
         loggers=[single_logger],
-        callbacks=[AttentionEntropyMonitor(batches=4, heatmap=False)],
+        callbacks=[AttentionEntropyMonitor(batches=4, log=LogOptions(heatmap=False))],
         max_epochs=1,
     )
     single_model = lm.TinyGPT(lr=0.0, seed=5)
@@ -994,13 +1031,9 @@ def test_two_monitors_in_one_trainer_fit_save_and_resume(tmp_path: Path) -> None
     def monitors(seed_offset: int) -> list[AttentionEntropyMonitor]:
         return [
             AttentionEntropyMonitor(
-                prefix=prefix,
+                batches=Batches(2, random_sample=True, seed=seeds[prefix] + seed_offset),
+                log=LogOptions(prefix=prefix, histogram_bins=None, heatmap=False),
                 layers=[layer],
-                batches=2,
-                random_sample=True,
-                seed=seeds[prefix] + seed_offset,
-                histogram_bins=None,
-                heatmap=False,
             )
             for prefix, layer in zip(seeds, lm.GPT_LAYERS, strict=True)
         ]
@@ -1086,7 +1119,7 @@ def test_two_validation_dataloaders_are_kept_apart(tmp_path: Path) -> None:
 
 def test_nan_in_validation_warns_once_per_layer_and_training_goes_on(tmp_path: Path) -> None:
     """Validation batch 1 of 2 turns every activation into NaN: the monitor skips and reports it, never raises."""
-    monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(batches=2, log=LogOptions(histogram_bins=None, heatmap=False))
     model = lm.TinyGPT(lr=0.0)
     model.nan_on_val_batch = 1
     val = lm.make_batches(2, seed=11)
@@ -1140,7 +1173,9 @@ def test_memory_stays_flat_over_100_validation_epochs(tmp_path: Path) -> None:
         def log_metrics(self, metrics: Any, step: int | None = None) -> None:
             self.records[:] = [(step, dict(metrics))]
 
-    monitor = AttentionEntropyMonitor(batches=1, histogram_bins=None, heatmap=False, train_every_n_steps=1)
+    monitor = AttentionEntropyMonitor(
+        batches=Batches(1, train_every_n_steps=1), log=LogOptions(histogram_bins=None, heatmap=False)
+    )
     trainer = make_trainer(
         tmp_path,
         loggers=[LastRecord()],
@@ -1173,7 +1208,7 @@ def test_gradient_checkpointing_records_each_training_query_once(tmp_path: Path)
     assert model.model.is_gradient_checkpointing
     recorder = lm.BatchRecorder(train_every=1)
     tensorboard = TensorBoardLogger(tmp_path, name="tb")
-    monitor = AttentionEntropyMonitor(batches=0, train_every_n_steps=1)
+    monitor = AttentionEntropyMonitor(batches=Batches(0, train_every_n_steps=1))
     trainer = make_trainer(tmp_path, loggers=[tensorboard], callbacks=[monitor, recorder], max_epochs=1)
     trainer.fit(model, lm.loader(lm.make_batches(2, seed=3)), lm.loader(lm.make_batches(1, seed=4)))
     accumulator = read_tensorboard(tensorboard.log_dir)
@@ -1191,7 +1226,9 @@ def test_gradient_checkpointing_records_each_training_query_once(tmp_path: Path)
 
 def test_every_n_epochs_meets_check_val_every_n_epoch(tmp_path: Path) -> None:
     """``every_n_epochs=2``, ``check_val_every_n_epoch=2``: Lightning validates at epochs 1 and 3, both monitored."""
-    monitor = AttentionEntropyMonitor(every_n_epochs=2, histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(
+        batches=Batches(every_n_epochs=2), log=LogOptions(histogram_bins=None, heatmap=False)
+    )
     recorder = lm.BatchRecorder()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -1209,7 +1246,7 @@ def test_every_n_epochs_meets_check_val_every_n_epoch(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "fit_kwargs", "named"),
     [
-        ({"every_n_epochs": 3}, {"check_val_every_n_epoch": 2}, "`every_n_epochs=3`"),
+        ({"batches": Batches(every_n_epochs=3)}, {"check_val_every_n_epoch": 2}, "`every_n_epochs=3`"),
         ({"batches": [10]}, {}, "`batches=(10,)`"),
     ],
     ids=["cadence", "batches_not_reached"],
@@ -1217,7 +1254,7 @@ def test_every_n_epochs_meets_check_val_every_n_epoch(tmp_path: Path) -> None:
 def test_validations_none_monitored_warn_once_at_fit_end(
     tmp_path: Path, kwargs: dict[str, Any], fit_kwargs: dict[str, Any], named: str
 ) -> None:
-    monitor = AttentionEntropyMonitor(histogram_bins=None, heatmap=False, **kwargs)
+    monitor = AttentionEntropyMonitor(log=LogOptions(histogram_bins=None, heatmap=False), **kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         logger, _, _, _ = _fit_memory(tmp_path, monitor, max_epochs=4, **fit_kwargs)
@@ -1232,7 +1269,7 @@ def test_validations_none_monitored_warn_once_at_fit_end(
 def _history_run(root: Path, max_epochs: int, loggers: list[Any], ckpt_path: str | None = None) -> tuple[Any, ...]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    monitor = AttentionEntropyMonitor(histogram_bins=None)
+    monitor = AttentionEntropyMonitor(log=LogOptions(histogram_bins=None))
     recorder = lm.BatchRecorder()
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True)
     trainer = make_trainer(
@@ -1301,7 +1338,7 @@ def test_resumed_run_draws_the_same_history_as_an_uninterrupted_one(tmp_path: Pa
         resumed, whole = charts["resumed"][layer], charts["whole"][layer]
         assert [row[:2] for row in resumed] == [row[:2] for row in whole]
         assert [row[2] for row in resumed] == pytest.approx([row[2] for row in whole], abs=1e-6)
-        steps, medians = runs["resumed"][0].dashboards.medians_over_time(layer, prefix=PREFIX)
+        steps, medians = runs["resumed"][0].core.dashboards.medians_over_time(layer, prefix=PREFIX)
         assert steps == [logged_step(v) for v in whole_recorder.validations]
         for column, validation in enumerate(whole_recorder.validations):
             samples = gpt_reference(validation["state"], validation["batches"][:2])[layer]
@@ -1326,7 +1363,9 @@ def test_monitor_reused_after_a_failed_fit_starts_from_zero(tmp_path: Path, fail
     """
     import signal
 
-    monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None, heatmap=False, train_every_n_steps=1)
+    monitor = AttentionEntropyMonitor(
+        batches=Batches(2, train_every_n_steps=1), log=LogOptions(histogram_bins=None, heatmap=False)
+    )
     val = lm.make_batches(2, seed=11)
     failing = lm.TinyGPT(lr=0.0)
     failing.fail_on_val_batch, failing.fail_with = 1, failure
@@ -1381,7 +1420,9 @@ def test_peft_lora_model_logs_the_base_models_layer_names(tmp_path: Path) -> Non
     pytest.importorskip("peft")
     model = lm.LoraLM()
     assert "model.base_model.model.transformer.h.0.attn" in dict(model.named_modules())
-    monitor = AttentionEntropyMonitor(layers=["model.transformer.h.*.attn"], histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(
+        log=LogOptions(histogram_bins=None, heatmap=False), layers=["model.transformer.h.*.attn"]
+    )
     logger = lm.MemoryLogger()
     val = lm.make_batches(2, seed=4)
     trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor], max_epochs=1, limit_train_batches=1)
@@ -1412,7 +1453,7 @@ def test_fabric_module_is_named_as_the_model(tmp_path: Path) -> None:
     summary = evaluate_attention(wrapped, val, layers=["blocks.*.attn"])
     assert summary.layers == lm.GPT_LAYERS
     samples = gpt_reference(model.state_dict(), val)
-    check_against_reference(AttentionEntropyMonitor().options.scalars(summary), samples)
+    check_against_reference(AttentionEntropyMonitor().core.options.scalars(summary), samples)
 
 
 def _ddp_names_worker(rank: int, port: int, out_dir: str) -> None:
@@ -1464,7 +1505,7 @@ def test_early_stopping_and_checkpoint_watch_per_layer_statistics(tmp_path: Path
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     layer = lm.GPT_LAYERS[1]
-    monitor = AttentionEntropyMonitor(histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(log=LogOptions(histogram_bins=None, heatmap=False))
     stopper = EarlyStopping(monitor=f"{PREFIX}/{layer}/q50", mode="min", patience=1, min_delta=1e-3)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor=f"{PREFIX}/{layer}/mean_seq", save_top_k=1)
     logger, trainer, model, val = _fit_memory(

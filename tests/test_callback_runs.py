@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from attn_monitor import Batches, LogOptions, MaxLogitAlert, OverloadAlert, Statistics
 from attn_monitor.callback import AttentionEntropyMonitor
 from tests import lightning_models as lm
 from tests.test_callback import MEAN_TOL, gpt_reference, make_trainer
@@ -32,13 +33,10 @@ def test_alerts_skip_a_monitored_sanity_check(tmp_path: Path) -> None:
     collapse alert's baseline and ``stop_on_collapse``.
     """
     monitor = AttentionEntropyMonitor(
-        batches=1,
-        skip_sanity_check=False,
-        overload_threshold=0.0,
-        max_logit=True,
-        max_logit_threshold=-1000.0,
-        histogram_bins=None,
-        heatmap=False,
+        batches=Batches(1, skip_sanity_check=False),
+        statistics=Statistics(max_logit=True),
+        log=LogOptions(histogram_bins=None, heatmap=False),
+        alerts=[OverloadAlert(0.0), MaxLogitAlert(-1000.0)],
     )
     logger = lm.MemoryLogger()
     trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor], max_epochs=1, num_sanity_val_steps=1)
@@ -71,7 +69,7 @@ def test_second_validation_loader_is_suffixed_in_callback_metrics_and_logger(tmp
     # Few repeated tokens: other attention than the random ids of the first loader.
     repeated = (torch.arange(lm.SEQ) % 3 + 1).repeat(lm.BATCH, 1)
     second = [{"input_ids": repeated, "attention_mask": torch.ones(lm.BATCH, lm.SEQ)}]
-    monitor = AttentionEntropyMonitor(batches=1, histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(batches=1, log=LogOptions(histogram_bins=None, heatmap=False))
     logger = lm.MemoryLogger()
     model = lm.TinyGPT(lr=0.0)
     with torch.no_grad():  # larger logits: attention that depends on the input
@@ -82,7 +80,14 @@ def test_second_validation_loader_is_suffixed_in_callback_metrics_and_logger(tmp
 
     means = [f"{PREFIX}/mean"] + [f"{PREFIX}/{layer}/mean" for layer in lm.GPT_LAYERS]
     watched = {name for name in trainer.callback_metrics if name.startswith(PREFIX)}
-    assert watched == {f"{name}/dataloader_idx_{i}" for name in means for i in (0, 1)}
+    suffixes = [f"/dataloader_idx_{i}" for i in (0, 1)]
+    by_loader = [{name.removesuffix(end) for name in watched if name.endswith(end)} for end in suffixes]
+    assert sum(len(names) for names in by_loader) == len(watched)  # every name carries one loader's suffix
+    assert by_loader[0] == by_loader[1] >= set(means)  # per-layer statistics besides the means, per loader
+    # The means (through LightningModule.log) and every other per-layer statistic, each loader's own.
+    assert {f"{name}/dataloader_idx_{i}" for name in means for i in (0, 1)} <= watched
+    assert all(name.endswith(("/dataloader_idx_0", "/dataloader_idx_1")) for name in watched)
+    assert f"{PREFIX}/{lm.GPT_LAYERS[0]}/q50/dataloader_idx_1" in watched
     logged = {name for _, metrics in logger.merged_records() for name in metrics if name.startswith(PREFIX)}
     for index in (0, 1):
         own = {name for name in logged if name.endswith(f"/dataloader_idx_{index}")}

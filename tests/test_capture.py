@@ -24,6 +24,7 @@ import dataclasses
 import gc
 import math
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -201,28 +202,35 @@ def test_hf_outputs_bit_identical(family: str, implementation: str, padding: str
     assert torch.equal(plain, after)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_hf_train_mode_with_attention_dropout_sdpa(family: str) -> None:
-    """Attention dropout must neither break recording nor change the entropy on the q/k path.
+def test_hf_train_mode_with_attention_dropout(family: str, implementation: str) -> None:
+    """Attention dropout must neither break recording nor change the entropy, on either path.
 
     Only the attention probabilities are dropped (p = 0.5), so layer 0 sees the
     same input as in eval mode and its entropy must equal the eval reference:
-    dropout is applied after the softmax, and the sdpa path reads q and k.
+    dropout is applied after the softmax, the sdpa path reads q and k, and
+    eager attention is read from its softmax's logits, without a warning (the
+    returned weights, after dropout, are not compared in train mode). Reading
+    the returned probabilities instead fails to match; an explicit
+    ``probabilities_at`` adapter still does that: see the next test.
     """
-    model = models.hf_model(family, "sdpa", attention_dropout=0.5)
+    model = models.hf_model(family, implementation, attention_dropout=0.5)
     batch = hf_batch("right")
     expected = hf_reference(model, family, batch)
     model.train()
     torch.manual_seed(0)
     capture = AttentionCapture(model, layers=[HF_LAYER_NAMES[family][0]])
-    with capture, capture.recording(batch["attention_mask"]):
-        model(**batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with capture, capture.recording(batch["attention_mask"]):
+            model(**batch)
     assert_summary(capture.metric.compute(), HF_LAYER_NAMES[family][:1], expected[:1])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_hf_train_mode_with_attention_dropout_eager(family: str) -> None:
-    """Eager attention returns its weights *after* dropout: recording must not break.
+def test_hf_train_mode_with_attention_dropout_probabilities_adapter(family: str) -> None:
+    """Returned weights are after dropout: recording through an explicit adapter must not break.
 
     Queries whose whole support was dropped are left out with one warning; the
     rest are renormalised over the support, so every value stays in [0, 1].
@@ -231,7 +239,8 @@ def test_hf_train_mode_with_attention_dropout_eager(family: str) -> None:
     batch = hf_batch("right")
     model.train()
     torch.manual_seed(0)
-    capture = AttentionCapture(model)
+    adapters = {name: probabilities_at(1, bool_mask="auto") for name in HF_LAYER_NAMES[family]}
+    capture = AttentionCapture(model, adapters=adapters)
     with pytest.warns(UserWarning, match="dropout"), capture, capture.recording(batch["attention_mask"]):
         model(**batch)
     summary = capture.metric.compute()
@@ -689,6 +698,30 @@ def test_nested_captures_clean_up_independently() -> None:
     assert int(outer.metric.compute().count.sum()) == 2 * int(inner.metric.compute().count.sum())
 
 
+def _refuse(call, sample) -> None:
+    raise ValueError("measuring refused")
+
+
+@pytest.mark.parametrize(
+    ("name", "layer", "module_class"),
+    [
+        ("gpt2-eager", "transformer.h.0.attn", "module class GPT2Attention"),
+        ("gpt2-sdpa", "transformer.h.0.attn", "module class GPT2Attention"),
+        ("nanogpt", "blocks.0.attn", "module class CausalSelfAttention"),
+    ],
+)
+def test_offline_errors_name_the_layer_and_its_class(name: str, layer: str, module_class: str) -> None:
+    """``errors="raise"``: an error of a reader or consumer keeps its type and names the layer and its class.
+
+    Without the naming (the error re-raised as it came) the match fails.
+    """
+    model, run = HOOK_MODELS[name]()
+    capture = AttentionCapture(model)
+    named = rf"could not record a call of '{layer}' \({module_class}\): measuring refused.*layers="
+    with capture, torch.no_grad(), pytest.raises(ValueError, match=named), capture.recording(consumers=[_refuse]):
+        run(model)
+
+
 def test_recording_misuse() -> None:
     model = models.NanoGPT().eval()
     capture = AttentionCapture(model)
@@ -702,6 +735,39 @@ def test_recording_misuse() -> None:
             model(tokens())
     assert total_hooks(model) == 0
     assert capture.num_calls == models.LAYERS
+
+
+def test_nonfinite_softmax_logits_are_counted_not_raised() -> None:
+    """A NaN logit (a diverging model) leaves its query out, counted as non-finite; ``-inf`` only hides a key.
+
+    Without the logits branch of ``without_nonfinite`` the update raises on the NaN.
+    """
+    from attn_monitor.consumers import EntropyUpdate
+    from attn_monitor.head_stats import StatisticsUpdate
+    from attn_monitor.metric import AttentionEntropy
+    from attn_monitor.softmax import logits_call
+    from tests import reference
+
+    logits = 3.0 * torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(0))
+    logits[0, 0, 0, 3] = -math.inf
+    logits[0, 1, 2, 1] = math.nan
+    call = dataclasses.replace(logits_call(logits, logits.softmax(-1)), layer="eager")
+    metric, statistics = AttentionEntropy(), StatisticsUpdate(distance=False)
+    sample = torch.ones(1, 1, 3, dtype=torch.bool)
+    with pytest.warns(UserWarning, match="NaN or inf"):
+        EntropyUpdate(metric)(call, sample)
+    statistics(call, sample)
+    summary = metric.compute()
+    assert summary.nonfinite.tolist() == [[0.0, 1.0]]
+    assert summary.count.tolist() == [[3.0, 2.0]]
+    visible = logits > -math.inf
+    entropy = reference.entropy_from_scores(logits.nan_to_num(0.0).double(), visible)
+    normalised = reference.normalize(entropy, reference.num_valid(visible))
+    expected = [float(normalised[0, 0].mean()), float(normalised[0, 1, :2].mean())]
+    assert summary.mean[0].tolist() == pytest.approx(expected, abs=1e-6)
+    largest = statistics.metric.compute().max_logit[0]
+    want = [float(logits[0, 0].masked_fill(~visible[0, 0], -math.inf).max()), float(logits[0, 1, :2].max())]
+    assert largest.tolist() == pytest.approx(want, abs=1e-6)
 
 
 @pytest.mark.parametrize("name", ["nanogpt", "gpt2-eager", "mha"])

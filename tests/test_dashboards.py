@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from attn_monitor import CollapseAlert, LogOptions
 from attn_monitor.callback import AttentionEntropyMonitor
 from attn_monitor.figures import (
     Picture,
@@ -201,7 +202,7 @@ def fit_run(tmp_path_factory: pytest.TempPathFactory) -> Fit:
             tensorboard,
             WandbLogger(save_dir=str(root), offline=True, project="attn-monitor-tests", settings=wandb_settings()),
         ]
-        monitor = AttentionEntropyMonitor(collapse_threshold=0.99)
+        monitor = AttentionEntropyMonitor(alerts=[CollapseAlert(threshold=0.99)])
         trainer = make_trainer(
             root, loggers=loggers, callbacks=[monitor], accumulate_grad_batches=2, val_check_interval=3
         )
@@ -317,7 +318,7 @@ def test_heads_over_training_picture_holds_each_validations_medians(fit_run: Fit
     monitor = fit_run.monitor
     for layer in lm.GPT_LAYERS:
         events = accumulator.Images(f"{PREFIX}_heads/{layer}/over_training")
-        steps, medians = monitor.dashboards.medians_over_time(layer, prefix=PREFIX)
+        steps, medians = monitor.core.dashboards.medians_over_time(layer, prefix=PREFIX)
         assert steps == STEPS
         logged = np.stack([_logged_medians(accumulator, layer, step) for step in steps], axis=1)  # (heads, steps)
         assert np.abs(medians - logged).max() < 1e-6
@@ -358,7 +359,7 @@ def test_wandb_per_head_chart_and_alerts(fit_run: Fit) -> None:
 
 def test_early_stopping_and_checkpoint_monitor_entropy(tmp_path: Path) -> None:
     """lr 0: entropy never improves, so EarlyStopping(patience=1) stops after the second epoch of ten."""
-    monitor = AttentionEntropyMonitor(histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(log=LogOptions(histogram_bins=None, heatmap=False))
     stopper = EarlyStopping(monitor=f"{PREFIX}/mean", mode="min", patience=1, min_delta=1e-3)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor=f"{PREFIX}/mean", mode="min", save_top_k=1)
     logger = lm.MemoryLogger()
@@ -434,7 +435,7 @@ class _TwoStepsPerBatch(lm.TinyGPT):
 
 
 def test_pictures_follow_val_loss_with_manual_optimization(tmp_path: Path) -> None:
-    monitor = AttentionEntropyMonitor(histogram_bins=10)
+    monitor = AttentionEntropyMonitor(log=LogOptions(histogram_bins=10))
     tensorboard = TensorBoardLogger(tmp_path, name="tb")
     trainer = make_trainer(tmp_path, loggers=[tensorboard], callbacks=[monitor], limit_train_batches=3)
     trainer.fit(_TwoStepsPerBatch(), lm.loader(lm.make_batches(3, seed=1)), lm.loader(lm.make_batches(2, seed=2)))

@@ -50,8 +50,12 @@ from attn_monitor import (
     AttentionCapture,
     AttentionEntropyMonitor,
     AttentionMass,
+    Batches,
+    CollapseAlert,
+    LogOptions,
     MassDiagnostics,
     MassSummary,
+    Statistics,
     Support,
     evaluate_attention,
     load_summary,
@@ -734,7 +738,7 @@ def test_sink_tokens_must_be_positive_int(sink_tokens: Any) -> None:
     with pytest.raises(ValueError, match="sink_tokens"):
         MassDiagnostics(sink_tokens=sink_tokens)
     with pytest.raises(ValueError, match="sink_tokens"):
-        AttentionEntropyMonitor(sink_tokens=sink_tokens)
+        AttentionEntropyMonitor(statistics=Statistics(sink_tokens=sink_tokens))
 
 
 @pytest.mark.parametrize(
@@ -746,7 +750,7 @@ def test_malformed_eviction_policy_is_named(policy: Any) -> None:
         MassDiagnostics(eviction=[(1, 4), policy])
     assert repr(policy if isinstance(policy, str) else tuple(policy)) in str(error.value)
     with pytest.raises(ValueError, match="eviction policy"):
-        AttentionEntropyMonitor(eviction=[policy])
+        AttentionEntropyMonitor(statistics=Statistics(eviction=[policy]))
 
 
 def test_eviction_given_as_one_bare_policy_is_a_clear_error() -> None:
@@ -858,7 +862,7 @@ def fit(
 
 
 def monitor_options(**kwargs: Any) -> dict[str, Any]:
-    options: dict[str, Any] = {"histogram_bins": None, "heatmap": False, "per_head": False}
+    options: dict[str, Any] = {"log": LogOptions(histogram_bins=None, heatmap=False, per_head=False)}
     options.update(kwargs)
     return options
 
@@ -886,7 +890,7 @@ def _warnings_matching(record: Any, text: str) -> list[str]:
 def test_fit_logs_sink_coverage_leakage_matching_reference(tmp_path: Path) -> None:
     """Non-isolating packed model, CSV logger, 2 epochs: names, values, one leakage warning, saved summaries."""
     monitor = AttentionEntropyMonitor(
-        **monitor_options(sink_tokens=1, eviction=[(1, 4)], leakage=True, save_summaries=True)
+        **monitor_options(statistics=Statistics(sink_tokens=1, eviction=[(1, 4)], leakage=True), save_summaries=True)
     )
     recorder = lm.BatchRecorder()
     logger = CSVLogger(tmp_path, name="csv")
@@ -928,7 +932,9 @@ def test_fit_logs_sink_coverage_leakage_matching_reference(tmp_path: Path) -> No
 
 def test_fit_isolating_model_no_leakage_no_collapse_at_threshold_zero(tmp_path: Path) -> None:
     monitor = AttentionEntropyMonitor(
-        **monitor_options(sink_tokens=1, eviction=[(1, 4)], leakage=True, collapse_threshold=0.0)
+        **monitor_options(
+            statistics=Statistics(sink_tokens=1, eviction=[(1, 4)], leakage=True), alerts=[CollapseAlert(0.0)]
+        )
     )
     recorder = lm.BatchRecorder()
     logger = lm.MemoryLogger()
@@ -949,7 +955,7 @@ def test_fit_isolating_model_no_leakage_no_collapse_at_threshold_zero(tmp_path: 
 
 
 def test_collapse_threshold_above_medians_warns_names_layer_and_heads(tmp_path: Path) -> None:
-    monitor = AttentionEntropyMonitor(**monitor_options(collapse_threshold=1.0))
+    monitor = AttentionEntropyMonitor(**monitor_options(alerts=[CollapseAlert(1.0)]))
     logger = lm.MemoryLogger()
     with pytest.warns(UserWarning, match="entropy collapse") as record:
         fit(tmp_path, monitor, logger=logger)
@@ -965,7 +971,7 @@ def test_collapse_threshold_above_medians_warns_names_layer_and_heads(tmp_path: 
 
 
 def test_stop_on_collapse_stops_training(tmp_path: Path) -> None:
-    monitor = AttentionEntropyMonitor(**monitor_options(collapse_threshold=1.0, stop_on_collapse=True))
+    monitor = AttentionEntropyMonitor(**monitor_options(alerts=[CollapseAlert(1.0, stop=True)]))
     logger = lm.MemoryLogger()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -977,7 +983,7 @@ def test_stop_on_collapse_stops_training(tmp_path: Path) -> None:
 
 def test_collapse_drop_relative_to_first_epoch_and_state_round_trip(tmp_path: Path) -> None:
     """Temperature 1 at epoch 0, 8 at epoch 1 (lr 0): medians fall, the drop alert fires at epoch 1 only."""
-    monitor = AttentionEntropyMonitor(**monitor_options(collapse_drop=0.2))
+    monitor = AttentionEntropyMonitor(**monitor_options(alerts=[CollapseAlert(drop=0.2)]))
     logger = lm.MemoryLogger()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -987,7 +993,7 @@ def test_collapse_drop_relative_to_first_epoch_and_state_round_trip(tmp_path: Pa
         assert counts[layer][0] == 0.0 and counts[layer][1] > 0.0, counts
     alerts = _warnings_matching(record, "entropy collapse")
     assert alerts and all("first monitored epoch" in alert for alert in alerts)
-    first = monitor.collapse.baselines[0]
+    first = monitor.core.alerts[0].baselines[0]
     assert first is not None and first.shape == (LAYERS, HEADS)
     assert (monitor.last_summary.quantile(0.5) < first).all()
 
@@ -995,9 +1001,9 @@ def test_collapse_drop_relative_to_first_epoch_and_state_round_trip(tmp_path: Pa
     state = monitor.state_dict()
     torch.save(state, tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)
-    restored = AttentionEntropyMonitor(**monitor_options(collapse_drop=0.2))
+    restored = AttentionEntropyMonitor(**monitor_options(alerts=[CollapseAlert(drop=0.2)]))
     restored.load_state_dict(loaded)
-    assert torch.equal(restored.collapse.baselines[0], first)
+    assert torch.equal(restored.core.alerts[0].baselines[0], first)
 
     # The restored baseline is what later drops are measured against: a sharp model alerts at once ...
     logger = lm.MemoryLogger()
@@ -1007,7 +1013,7 @@ def test_collapse_drop_relative_to_first_epoch_and_state_round_trip(tmp_path: Pa
     assert _warnings_matching(record, "entropy collapse")
     assert logger.values_of(f"attn_entropy/{LAYER_NAMES[0]}/collapsed_heads")[0] > 0.0
     # ... while a fresh monitor takes the sharp epoch itself as its baseline.
-    fresh = AttentionEntropyMonitor(**monitor_options(collapse_drop=0.2))
+    fresh = AttentionEntropyMonitor(**monitor_options(alerts=[CollapseAlert(drop=0.2)]))
     logger = lm.MemoryLogger()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -1024,7 +1030,11 @@ def test_training_step_recording_does_not_leak_into_validation_masses(tmp_path: 
     (callback.py ``on_train_batch_start`` only swaps the entropy metric), so
     the sink mass logged at validation pools training and validation queries.
     """
-    monitor = AttentionEntropyMonitor(**monitor_options(sink_tokens=1, eviction=[(1, 4)], train_every_n_steps=1))
+    monitor = AttentionEntropyMonitor(
+        **monitor_options(
+            statistics=Statistics(sink_tokens=1, eviction=[(1, 4)]), batches=Batches(train_every_n_steps=1)
+        )
+    )
     recorder = lm.BatchRecorder()
     logger = lm.MemoryLogger()
     fit(tmp_path, monitor, logger=logger, callbacks=[recorder], max_epochs=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
-from attn_monitor.alerts import MaxLogitAlert, OverloadAlert
+from attn_monitor import Batches, LogOptions, MaxLogitAlert, OverloadAlert, Statistics
 from attn_monitor.callback import AttentionEntropyMonitor
 from attn_monitor.calls import AttentionCall
 from attn_monitor.capture import AttentionCapture, evaluate_attention
@@ -319,7 +320,11 @@ def _llama_reference(seen: list[tuple[Tensor, Tensor, float]], batch: dict[str, 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 def test_hf_llama_matches_reference(implementation: str) -> None:
-    """Tiny random Llama (grouped-query keys), left padding: sdpa gives both, eager (probabilities) the distance."""
+    """Tiny random Llama (grouped-query keys), left padding: both paths give max logit and distance.
+
+    Eager attention is read from its softmax's logits, so it has a max logit too (and no warning says
+    otherwise); reading only its returned probabilities fails the max-logit check.
+    """
     model = models.hf_model("llama", implementation)
     batch = _llama_batch()
     update = StatisticsUpdate()
@@ -335,16 +340,8 @@ def test_hf_llama_matches_reference(implementation: str) -> None:
         layer.logits = [a + b for a, b in zip(layer.logits, pooled.logits, strict=True)]
         layer.distances = [a + b for a, b in zip(layer.distances, pooled.distances, strict=True)]
     assert_spread(expected)
-    check_summary(update.metric.compute(), expected, logits=implementation == "sdpa")
-    messages = [str(w.message) for w in caught if "max logit cannot be measured" in str(w.message)]
-    if implementation == "eager":
-        assert sorted(messages) == sorted(
-            f"attn_monitor: 'model.layers.{i}.self_attn' returns attention probabilities, not logits: its max logit "
-            "cannot be measured and is not logged. Run the model with sdpa attention to measure it."
-            for i in range(2)
-        )
-    else:
-        assert messages == []
+    check_summary(update.metric.compute(), expected, logits=True)
+    assert [str(w.message) for w in caught if "max logit cannot be measured" in str(w.message)] == []
 
 
 def test_rows_without_mass_are_left_out_not_counted_as_nonfinite() -> None:
@@ -430,16 +427,20 @@ def test_max_logit_alert_warns_once_per_head_and_counts() -> None:
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
-        ({"max_logit": 1}, TypeError, "`max_logit`"),
-        ({"distance": "yes"}, TypeError, "`distance`"),
-        ({"max_logit_threshold": 100.0}, ValueError, "needs `max_logit=True`"),
-        ({"max_logit": True, "max_logit_threshold": "100"}, TypeError, "max_logit_threshold"),
-        ({"overload_threshold": 1.5}, ValueError, "overload_threshold"),
+        (lambda: Statistics(max_logit=1), TypeError, "`max_logit`"),  # type: ignore[arg-type]
+        (lambda: Statistics(distance="yes"), TypeError, "`distance`"),  # type: ignore[arg-type]
+        (
+            lambda: AttentionEntropyMonitor(alerts=[MaxLogitAlert(100.0)]),
+            ValueError,
+            "needs `Statistics\\(max_logit=True\\)`",
+        ),
+        (lambda: MaxLogitAlert("100"), TypeError, "`threshold` of MaxLogitAlert"),  # type: ignore[arg-type]
+        (lambda: OverloadAlert(1.5), ValueError, "`threshold` of OverloadAlert"),
     ],
 )
-def test_callback_rejects_bad_arguments(options: dict[str, Any], error: type, match: str) -> None:
+def test_callback_rejects_bad_arguments(options: Callable[[], object], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
-        AttentionEntropyMonitor(**options)
+        options()
 
 
 # --------------------------------------------------------------------------- the callback in a real fit
@@ -449,7 +450,9 @@ def test_fit_logs_statistics_to_tensorboard_per_dataloader(tmp_path: Path) -> No
     """Two validation dataloaders: every name gets ``/dataloader_idx_{i}``; values equal the reference."""
     logger = TensorBoardLogger(tmp_path, name="tb")
     monitor = AttentionEntropyMonitor(
-        max_logit=True, distance=True, max_logit_threshold=0.0, overload_threshold=0.0, histogram_bins=None
+        statistics=Statistics(max_logit=True, distance=True),
+        log=LogOptions(histogram_bins=None),
+        alerts=[OverloadAlert(0.0), MaxLogitAlert(0.0)],
     )
     recorder = lm.BatchRecorder()
     trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor, recorder], max_epochs=1)
@@ -497,7 +500,11 @@ def test_fit_logs_statistics_to_tensorboard_per_dataloader(tmp_path: Path) -> No
 
 def test_training_steps_get_no_statistics(tmp_path: Path) -> None:
     memory = lm.MemoryLogger()
-    monitor = AttentionEntropyMonitor(distance=True, train_every_n_steps=1, histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(
+        batches=Batches(train_every_n_steps=1),
+        statistics=Statistics(distance=True),
+        log=LogOptions(histogram_bins=None, heatmap=False),
+    )
     trainer = make_trainer(tmp_path, loggers=[memory], callbacks=[monitor], max_epochs=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -509,4 +516,4 @@ def test_training_steps_get_no_statistics(tmp_path: Path) -> None:
     }
     assert not any(name.startswith("attn_max_logit") for name in logged)
     assert len(memory.steps_of(f"attn_distance/{lm.GPT_LAYERS[0]}/mean")) == 1
-    assert monitor.recorder.streams["train"].statistics is None  # not computed either
+    assert monitor.core.recorder.streams["train"].statistics is None  # not computed either

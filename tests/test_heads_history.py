@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from attn_monitor import LogOptions
 from attn_monitor.callback import AttentionEntropyMonitor
 from attn_monitor.figures import Picture, history_picture, read_cells
 from tests import lightning_models as lm
@@ -58,7 +59,7 @@ def test_validations_between_accumulated_batches_keep_one_column_per_step(tmp_pa
     two steps), and when the earlier validation of a step is kept.
     """
     recorder = lm.BatchRecorder()
-    monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None)
+    monitor = AttentionEntropyMonitor(batches=2, log=LogOptions(histogram_bins=None))
     memory, tensorboard = lm.MemoryLogger(), TensorBoardLogger(tmp_path, name="tb")
     trainer = make_trainer(
         tmp_path,
@@ -73,7 +74,7 @@ def test_validations_between_accumulated_batches_keep_one_column_per_step(tmp_pa
     later = [recorder.validations[1], recorder.validations[3]]  # the last validation of each step
     accumulator = read_tensorboard(tensorboard.log_dir)
     for layer in lm.GPT_LAYERS:
-        steps, medians = monitor.dashboards.medians_over_time(layer, prefix=PREFIX)
+        steps, medians = monitor.core.dashboards.medians_over_time(layer, prefix=PREFIX)
         assert steps == [0, 1]
         bounds = [reference_medians(v["state"], v["batches"])[layer] for v in later]
         for column, want in enumerate(bounds):
@@ -97,7 +98,7 @@ def test_validate_twice_at_one_step_keeps_only_the_later_run(tmp_path: Path) -> 
     (two entries at step 2), when a run keeps the columns of the one before
     (step 1 of the fit), or when the earlier validation is kept.
     """
-    monitor = AttentionEntropyMonitor(batches=2, histogram_bins=None, heatmap=False)
+    monitor = AttentionEntropyMonitor(batches=2, log=LogOptions(histogram_bins=None, heatmap=False))
     trainer = make_trainer(tmp_path, loggers=[lm.MemoryLogger()], callbacks=[monitor], max_epochs=1)
     model = lm.TinyGPT(lr=0.05)
     trainer.fit(model, lm.loader(lm.make_batches(2, seed=1)), lm.loader(lm.make_batches(2, seed=2)))
@@ -112,7 +113,7 @@ def test_validate_twice_at_one_step_keeps_only_the_later_run(tmp_path: Path) -> 
     trainer.validate(model, lm.loader(second), verbose=False)
     state = {name: value.detach().clone() for name, value in model.state_dict().items()}
     for layer in lm.GPT_LAYERS:
-        steps, medians = monitor.dashboards.medians_over_time(layer, prefix=PREFIX)
+        steps, medians = monitor.core.dashboards.medians_over_time(layer, prefix=PREFIX)
         assert steps == [2]  # both validate calls at global step 2; the fit's step 1 belongs to the fit
         earlier, later = (reference_medians(state, batches)[layer] for batches in (first, second))
         assert_within(medians[:, -1], later, BIN)

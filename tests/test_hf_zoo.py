@@ -20,11 +20,24 @@ Whisper's encoder takes no mask (every audio frame is real). Bloom and MPT
 have eager attention only (probabilities, MPT with a bool mask that is True
 where a key is hidden); T5 returns ``(output, position_bias, weights)`` and
 takes its mask as ``mask=``.
+
+Families whose eager modules apply masks the ``attention_mask=`` argument does
+not show, read from the logits of their own softmax:
+
+* GPT-Neo: layer 0 global (causal), layer 1 local: keys ``i - W < j <= i``
+  (its window from the module's ``bias`` buffer), both with key padding;
+* DeBERTa-v2: keys where ``attention_mask`` is 1, from a (B, 1, N, N) 0/1
+  int64 mask; its modules return no weights without ``output_attentions``;
+* Swin: every key of the query's window is visible (the shifted blocks'
+  -100 is a finite bias, not a mask), every query is counted, in batches of
+  (batch x windows).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 import zlib
 
 import pytest
@@ -33,6 +46,7 @@ from torch import Tensor, nn
 
 from attn_monitor.capture import AttentionCapture, evaluate_attention
 from attn_monitor.eager import probabilities_at
+from attn_monitor.head_stats import StatisticsUpdate
 from tests import models, reference
 
 pytest.importorskip("transformers")
@@ -43,6 +57,8 @@ SPREAD = 0.02
 BATCH = 3
 SEQ2SEQ = ("bart", "t5", "whisper")
 DECODER_ONLY = ("bloom", "mpt")
+#: Families read from the input of their own softmax.
+SOFTMAX_FAMILIES = ("gpt_neo", "deberta_v2", "swin")
 #: (source length, target length).
 LENGTHS = {"equal": (10, 10), "unequal": (10, 7)}
 #: Real tokens per row: the encoder and the decoder are padded differently on purpose.
@@ -67,6 +83,12 @@ def layer_names(family: str) -> dict[str, list[str]]:
         }
     if family == "bloom":
         return {"self": [f"transformer.h.{i}.self_attention" for i in layers]}
+    if family == "gpt_neo":
+        return {"self": [f"transformer.h.{i}.attn.attention" for i in layers]}
+    if family == "deberta_v2":
+        return {"self": [f"encoder.layer.{i}.attention.self" for i in layers]}
+    if family == "swin":
+        return {"self": [f"encoder.layers.{s}.blocks.{b}.attention" for s in layers for b in range(2)]}
     return {"self": [f"transformer.blocks.{i}.attn" for i in layers]}
 
 
@@ -289,6 +311,89 @@ def test_unreadable_eager_attention_warns_and_names_the_module() -> None:
         evaluate_attention(model, [torch.randn(2, 5, 8)])
 
 
+class WrittenOutAttention(nn.Module):
+    """Hugging Face style eager attention written out by hand, each way a module can hide its weights.
+
+    ``weights``: "returned" (its softmax's output), "head_mask" (that output halved before it is
+    returned), "none" (returns None), "twice" (a second softmax over ten times the first one's output, returned).
+    ``softmax``: False computes the weights with ``exp`` and a sum, so no softmax can be seen.
+    """
+
+    def __init__(self, weights: str, softmax: bool = True) -> None:
+        super().__init__()
+        self.weights, self.softmax = weights, softmax
+        self.qk = nn.Linear(8, 16)
+        with torch.no_grad():
+            self.qk.weight *= 2.0  # far from uniform,
+            self.qk.weight[:4] *= 3.0  # and head 0 (its queries: rows 0-3) far sharper than head 1
+
+    def logits(self, hidden_states: Tensor) -> Tensor:
+        q, k = self.qk(hidden_states).view(*hidden_states.shape[:2], 2, 2, 4).unbind(2)
+        return torch.einsum("bqhd,bkhd->bhqk", q, k)
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        logits = self.logits(hidden_states)
+        probs = torch.softmax(logits, dim=-1) if self.softmax else logits.exp() / logits.exp().sum(-1, keepdim=True)
+        if self.weights == "twice":
+            probs = (10 * probs).softmax(-1)
+        returned = {"returned": probs, "head_mask": 0.5 * probs, "none": None, "twice": probs}[self.weights]
+        return hidden_states + probs.sum(), returned
+
+
+class WrittenOutModel(nn.Module):
+    def __init__(self, weights: str, softmax: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = type("Config", (), {"_attn_implementation": "eager"})()
+        self.blocks = nn.ModuleList([WrittenOutAttention(weights, softmax)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.blocks[0](x)[0]
+
+
+def written_out_reference(model: WrittenOutModel, x: Tensor, twice: bool = False) -> dict[str, tuple[Tensor, Tensor]]:
+    """Every key visible, every query counted: the float64 softmax of float64 logits (twice, if asked)."""
+    attention = model.blocks[0].requires_grad_(False)
+    hidden = x.double()
+    q, k = (hidden @ attention.qk.weight.double().T + attention.qk.bias.double()).view(*x.shape[:2], 2, 2, 4).unbind(2)
+    probs = torch.einsum("bqhd,bkhd->bhqk", q, k).softmax(-1)
+    if twice:
+        probs = (10 * probs).softmax(-1)
+    everything = torch.ones(x.shape[0], x.shape[1], dtype=torch.bool)
+    return {"blocks.0": reference.head_means(probs, everything[:, None, None, :], everything)}
+
+
+def test_weights_that_differ_from_the_softmax_warn_and_the_softmax_is_measured() -> None:
+    """A module that changes its weights after the softmax (a head mask) is named; its logits are measured."""
+    model, x = WrittenOutModel("head_mask"), torch.randn(2, 6, 8)
+    expected = written_out_reference(model, x)
+    differs = r"'blocks\.0' \(WrittenOutAttention\) returned attention weights at output\[1\] that differ"
+    with pytest.warns(UserWarning, match=differs):
+        summary = evaluate_attention(model, [x])
+    assert_matches(summary, expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # weights as the softmax made them: nothing to say
+        assert_matches(evaluate_attention(WrittenOutModel("returned"), [x]), expected)
+
+
+def test_several_softmaxes_keep_the_probabilities_reader() -> None:
+    """Two softmaxes inside one module cannot be told apart: the returned weights are read, as before."""
+    model, x = WrittenOutModel("twice"), torch.randn(2, 6, 8)
+    assert_matches(evaluate_attention(model, [x]), written_out_reference(model, x, twice=True))
+
+
+def test_no_weights_and_no_softmax_warns_naming_the_module() -> None:
+    """Returned weights are None and no softmax ran: the module, its class and what to pass are named."""
+    model = WrittenOutModel("none", softmax=False)
+    unread = r"'blocks\.0' \(WrittenOutAttention\).*output\[1\] holds no probabilities.*output_attentions=True"
+    with pytest.warns(UserWarning, match=unread), pytest.raises(RuntimeError, match="captured no attention"):
+        evaluate_attention(model, [torch.randn(2, 5, 8)])
+    # With a softmax the same module is read, weights or not.
+    x = torch.randn(2, 6, 8)
+    model = WrittenOutModel("none")
+    assert_matches(evaluate_attention(model, [x]), written_out_reference(model, x))
+
+
 def test_padding_mask_of_another_sequence_warns() -> None:
     """A mask whose length is not the layer's query count is not used for it, and says so."""
     model = model_of("bloom", "eager")
@@ -382,3 +487,147 @@ def test_torch_transformer_decoder_counts_its_own_queries() -> None:
         index = summary.layer_index(name)
         assert summary.count[index].tolist() == count.tolist(), name
         torch.testing.assert_close(summary.mean[index], mean, atol=TOL, rtol=0, msg=name)
+
+
+# --------------------------------------------------------------------------- read from the softmax's logits
+
+
+def gpt_neo_visible(real: Tensor, layer: int) -> Tensor:
+    """(B, 1, N, N) support of GPT-Neo's layer ``layer``: causal, windowed in the local layers, key padding."""
+    n = real.shape[1]
+    rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = cols <= rows
+    if layer % 2 == 1:  # attention_types: global, local, global, ...
+        visible = visible & (cols > rows - models.GPT_NEO_WINDOW)
+    return visible & real[:, None, None, :]
+
+
+def softmax_family_batch(family: str, side: str) -> dict[str, Tensor]:
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{family}-{side}".encode()))
+    if family == "swin":
+        image = models.SWIN_SIZES[0]
+        return {"pixel_values": torch.randn(BATCH, 3, image, image, generator=generator)}
+    return decoder_only_batch(family, side)
+
+
+def softmax_family_reference(family: str, batch: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """layer -> ((H,) mean, (H,) count) from each attention module's own returned weights, supports by hand."""
+    model = model_of(family, "eager")
+    names = layer_names(family)["self"]
+    weights: dict[str, Tensor] = {}
+    handles = [
+        model.get_submodule(name).register_forward_hook(
+            lambda module, args, output, name=name: weights.__setitem__(name, output[1])
+        )
+        for name in names
+    ]
+    try:
+        with torch.no_grad():
+            model(**batch, output_attentions=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    expected = {}
+    for layer, name in enumerate(names):
+        probs = weights[name]
+        if family == "swin":  # (batch x windows, heads, N, N): every key visible, every query counted
+            visible = torch.ones(1, 1, 1, probs.shape[-1], dtype=torch.bool)
+            real = torch.ones(probs.shape[0], probs.shape[-2], dtype=torch.bool)
+        else:
+            real = batch["attention_mask"].bool()
+            visible = gpt_neo_visible(real, layer) if family == "gpt_neo" else real[:, None, None, :]
+        expected[name] = reference.head_means(probs, visible, real)
+    return expected
+
+
+@pytest.mark.parametrize(
+    ("family", "side"),
+    [
+        (family, side)
+        for family in SOFTMAX_FAMILIES
+        for side in ("right", "left")
+        if family != "swin" or side == "right"
+    ],
+)
+def test_masks_inside_the_module_match_reference(family: str, side: str) -> None:
+    """GPT-Neo's windows, DeBERTa-v2's (B, 1, N, N) int mask, Swin's shifted windows: read from the softmax.
+
+    Reading the returned weights with the ``attention_mask=`` argument instead fails each of them:
+    GPT-Neo's local layer is normalised over every causal key (0.08 off), DeBERTa-v2 returns no
+    weights, Swin's window-batched mask does not broadcast.
+    """
+    batch = softmax_family_batch(family, side)
+    expected = softmax_family_reference(family, batch)
+    model = model_of(family, "eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the returned weights agree with the softmax: no warning
+        summary = evaluate_attention(model, [batch])
+    assert_matches(summary, expected)
+
+
+def test_deberta_v2_with_output_attentions_matches_reference() -> None:
+    """Asked for its weights, DeBERTa-v2 returns them next to a (B, 1, N, N) int64 mask: the same numbers."""
+    batch = softmax_family_batch("deberta_v2", "left")
+    expected = softmax_family_reference("deberta_v2", batch)
+    summary = evaluate_attention(model_of("deberta_v2", "eager"), [{**batch, "output_attentions": True}])
+    assert_matches(summary, expected)
+
+
+def test_swin_shifted_windows_carry_a_finite_bias() -> None:
+    """The Swin reference means something: one block of the first stage is shifted, its mask a finite
+    -100 between regions of a window (visible keys with a bias), and attention runs on (batch x windows)."""
+    model = model_of("swin", "eager")
+    image, patch, window = models.SWIN_SIZES
+    side = image // patch
+    plain, shifted = (model.get_submodule(name.rsplit(".", 1)[0]) for name in layer_names("swin")["self"][:2])
+    assert plain.get_attn_mask(side, side, torch.float32, torch.device("cpu")) is None
+    mask = shifted.get_attn_mask(side, side, torch.float32, torch.device("cpu"))
+    assert mask.shape == ((side // window) ** 2, window**2, window**2)
+    assert set(mask.unique().tolist()) == {-100.0, 0.0}
+    expected = softmax_family_reference("swin", softmax_family_batch("swin", "right"))
+    first = expected[layer_names("swin")["self"][0]][1]
+    assert first.tolist() == [BATCH * side**2] * first.shape[0]  # every patch of every image, once per head
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_gpt_neo_max_logit_matches_float64_reference(side: str) -> None:
+    """Eager layers report max logit: GPT-Neo's (unscaled ``q k^T``) from float64 q and k, windows included."""
+    model = model_of("gpt_neo", "eager")
+    batch = softmax_family_batch("gpt_neo", side)
+    names = layer_names("gpt_neo")["self"]
+    inputs: dict[str, Tensor] = {}
+    handles = [
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda module, args, name=name: inputs.__setitem__(name, args[0])
+        )
+        for name in names
+    ]
+    update = StatisticsUpdate(distance=False)
+    capture = AttentionCapture(model)
+    try:
+        with capture, torch.no_grad(), capture.recording(batch["attention_mask"], consumers=[update]):
+            model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    summary = update.metric.compute()
+    real = batch["attention_mask"].bool()
+    for layer, name in enumerate(names):
+        module = model.get_submodule(name)
+        hidden = inputs[name].double()
+
+        def heads(weight: Tensor, hidden: Tensor = hidden) -> Tensor:
+            return (
+                (hidden @ weight.double().T)
+                .view(BATCH, -1, models.ZOO_HEADS, models.ZOO_HIDDEN // models.ZOO_HEADS)
+                .transpose(1, 2)
+            )
+
+        visible = gpt_neo_visible(real, layer)
+        per_query = reference.max_logit_from_qk(heads(module.q_proj.weight), heads(module.k_proj.weight), visible, 1.0)
+        counted = real[:, None, :] & visible.any(-1)
+        expected = torch.where(counted, per_query, -math.inf).amax((0, 2))
+        assert float(expected.max() - expected.min()) > 1.0, f"reference heads of {name} barely differ"
+        index = summary.layers.index(name)
+        torch.testing.assert_close(summary.max_logit[index], expected, atol=1e-4, rtol=1e-6, msg=name)
+        assert summary.logit_count[index].tolist() == counted.expand(-1, models.ZOO_HEADS, -1).sum((0, 2)).tolist()

@@ -15,18 +15,33 @@ PACKAGE = Path(__file__).resolve().parents[1] / "attn_monitor"
 
 #: Layer of every module, lowest first (docs/design.md §5).
 LAYERS = {
-    "shared": 0,
+    **dict.fromkeys(("shared", "names"), 0),
     **dict.fromkeys(("masks", "functional", "flex"), 1),
     "metric": 2,
-    **dict.fromkeys(("calls", "eager", "hf_interface", "capture", "consumers", "diagnostics", "head_stats"), 3),
+    **dict.fromkeys(
+        (
+            "calls",
+            "batches",
+            "eager",
+            "softmax",
+            "mha",
+            "hf_interface",
+            "parallel",
+            "capture",
+            "consumers",
+            "diagnostics",
+            "head_stats",
+        ),
+        3,
+    ),
     **dict.fromkeys(("loggers", "figures", "alerts", "comparison", "display", "digest"), 4),
-    **dict.fromkeys(("schedule", "recording", "callback"), 5),
+    **dict.fromkeys(("schedule", "recording", "core", "callback"), 5),
     **dict.fromkeys(("__init__", "__main__"), 6),
 }
 
 #: The only modules that may import a training framework.
 FRAMEWORK_IMPORTS = {
-    "lightning": {"callback", "loggers"},  # loggers: the adapters for Lightning's own logger classes
+    "lightning": {"callback"},
     "pytorch_lightning": set(),
     "transformers": set(),
 }

@@ -12,8 +12,6 @@ most three collectives whatever the number of layers.
 from __future__ import annotations
 
 import math
-import socket
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -27,7 +25,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-import torch.multiprocessing as mp
 
 from attn_monitor import AttentionEntropy, AttentionMass, EntropySummary
 from attn_monitor.functional import attention_distance, attention_max_logit
@@ -35,14 +32,11 @@ from attn_monitor.head_stats import AttentionStatistics
 from attn_monitor.masks import Support
 from attn_monitor.metric import LayerMetric
 from tests import reference
+from tests.processes import launch
 from tests.test_metric import Peak
 
 WORLD_SIZE = 2
-DEADLINE_S = 120.0
 MAX_COLLECTIVES = 3
-# fork reuses the imports already paid for (torch + torchmetrics take seconds per process);
-# the parent never initialises a process group, so gloo starts clean in each child.
-START_METHOD = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
 CONFIG = {"num_bins": 50, "nats_bins": 40, "max_keys": 16}
 DECLARED = {"declared": 3}
 EXACT = ("histogram", "nats_histogram", "count", "single_key", "no_key", "nonfinite")
@@ -304,12 +298,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """What each rank of a real 2-process gloo group saved."""
@@ -318,19 +306,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("ddp")
     # Warm lazy imports before forking (torch.broadcast_shapes imports sympy on first use).
     _single("union", rounds=1).compute()
-    context = mp.start_processes(
-        _worker, args=(_free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=False, start_method=START_METHOD
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"DDP workers did not finish within {DEADLINE_S:.0f} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    launch(_worker, out_dir, WORLD_SIZE)
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
 
 

@@ -22,8 +22,8 @@ from attn_monitor.calls import AttentionCall
 from attn_monitor.capture import AttentionCapture
 from attn_monitor.consumers import EntropyUpdate
 from attn_monitor.metric import AttentionEntropy, MassSummary
-from attn_monitor.recording import Recorder
-from attn_monitor.schedule import BatchSchedule
+from attn_monitor.recording import Recorder, Statistics
+from attn_monitor.schedule import Batches, BatchSchedule
 from attn_monitor.shared import WarnOnce
 from tests import reference
 
@@ -33,24 +33,24 @@ from tests import reference
 @pytest.mark.parametrize("dataloader_idx", [0, 3])
 def test_random_draw_is_the_documented_seeded_sample(dataloader_idx: int) -> None:
     for seed in range(20):
-        schedule = BatchSchedule(batches=3, random_sample=True, seed=seed)
+        schedule = BatchSchedule(Batches(3, random_sample=True, seed=seed))
         want = tuple(sorted(random.Random(seed + dataloader_idx).sample(range(40), 3)))
         assert schedule.sampled_indices(40, dataloader_idx) == want
         assert schedule.sampled_indices(7, dataloader_idx) == want  # drawn once, reused
 
 
 def test_schedule_state_round_trip_keeps_the_draw() -> None:
-    schedule = BatchSchedule(batches=2, random_sample=True, seed=5)
+    schedule = BatchSchedule(Batches(2, random_sample=True, seed=5))
     drawn = schedule.sampled_indices(30, 1)
-    other = BatchSchedule(batches=2, random_sample=True, seed=6)
+    other = BatchSchedule(Batches(2, random_sample=True, seed=6))
     other.load_state_dict(schedule.state_dict())
     assert other.sampled_indices(30, 1) == drawn
 
 
 def test_schedule_batches_epochs_and_steps() -> None:
-    assert BatchSchedule(batches=[5, 1, 5]).sampled_indices(10) == (1, 5)
-    assert BatchSchedule(batches=3).sampled_indices(10) == (0, 1, 2)
-    schedule = BatchSchedule(every_n_epochs=3, skip_sanity_check=False, train_every_n_steps=2)
+    assert BatchSchedule(Batches([5, 1, 5])).sampled_indices(10) == (1, 5)
+    assert BatchSchedule(Batches(3)).sampled_indices(10) == (0, 1, 2)
+    schedule = BatchSchedule(Batches(every_n_epochs=3, skip_sanity_check=False, train_every_n_steps=2))
     # As Lightning's check_val_every_n_epoch and ModelCheckpoint(every_n_epochs) count: (epoch + 1) % n == 0.
     assert [schedule.validation_run(False, epoch) for epoch in range(6)] == [False, False, True, False, False, True]
     assert schedule.validation_run(False, 0, fitting=False)  # Trainer.validate: always
@@ -71,7 +71,7 @@ def test_schedule_batches_epochs_and_steps() -> None:
     schedule.reset()  # a new run: its step 0 is recorded, although the last run's was too
     assert schedule.training_step(0)
     with pytest.raises(ValueError, match="known length"):
-        BatchSchedule(random_sample=True).sampled_indices(float("inf"))
+        BatchSchedule(Batches(random_sample=True)).sampled_indices(float("inf"))
 
 
 # --------------------------------------------------------------------------- layer names
@@ -134,7 +134,7 @@ def test_collapse_alert_warns_once_per_head_and_key() -> None:
     assert alert(_summary([0.35, 0.35, 0.35]), key=1)["attn_entropy/blocks.0.attn/collapsed_heads"] == 0.0
     assert float(alert.baselines[1][0, 0]) == pytest.approx(0.35, abs=0.01)
     assert CollapseAlert()(_summary([0.0])) == {}
-    with pytest.raises(ValueError, match="collapse_drop"):
+    with pytest.raises(ValueError, match="`drop` of CollapseAlert"):
         CollapseAlert(drop=1.5)
 
 
@@ -301,7 +301,7 @@ def _full_support(num_q: int, num_k: int) -> Any:
 
 def test_recorder_streams_are_separate_and_diagnostics_only_where_asked() -> None:
     model, x = TwoHeads(), torch.randn(2, 6, 8)
-    recorder = Recorder(sink_tokens=1)
+    recorder = Recorder(Statistics(sink_tokens=1))
     recorder.attach(model)
     with torch.no_grad():
         with recorder.recording(0, x):
@@ -333,12 +333,12 @@ def test_recorder_checks_patterns_at_attach_and_arguments_at_construction() -> N
     with pytest.raises(TypeError, match="padding_mask"):
         Recorder(padding_mask="attention_mask")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="eviction"):
-        Recorder(eviction=[(1,)])  # type: ignore[list-item]
+        Statistics(eviction=[(1,)])  # type: ignore[list-item]
 
 
 def test_collect_with_nothing_recorded_is_none_and_quiet() -> None:
     """A stream nothing was recorded into computes (a collective under DDP) and gives None, without warnings."""
-    recorder = Recorder(sink_tokens=1)
+    recorder = Recorder(Statistics(sink_tokens=1))
     recorder.attach(TwoHeads())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
