@@ -5,12 +5,12 @@
 validation's medians (a :class:`Baseline`) and any alert findings, and
 returns a :class:`Digest`: per layer its median and the change since then,
 and the few heads that moved most, sit lowest and sit highest. It renders as
-Markdown for TensorBoard's text plugin (:func:`digest_markdown`,
-:func:`write_digest_text`) and as rows of a W&B table (:func:`digest_rows`,
-:func:`digest_table`), so that "layer 7 head 3 fell from 0.81 to 0.12 since
+Markdown for TensorBoard's text plugin (:func:`digest_markdown`) and as rows
+of a W&B table (:func:`digest_rows`, :func:`digest_table`), so that "layer 7 head 3 fell from 0.81 to 0.12 since
 step 400" is read at the top, not hunted for among per-head charts.
 
-Everything here is pure except the two writers; layers are shown by their
+Everything here is pure; :class:`~attn_monitor.loggers.Dashboards` writes
+the digest at every monitored validation. Layers are shown by their
 :func:`~attn_monitor.display.short_names` and the W&B rows keep the full name.
 """
 
@@ -36,7 +36,6 @@ __all__ = [
     "digest_rows",
     "digest_table",
     "validation_digest",
-    "write_digest_text",
 ]
 
 #: Columns of :func:`digest_rows`, in order.
@@ -323,8 +322,9 @@ def _cell(value: float | None) -> float | None:
 def digest_rows(digest: Digest) -> list[list[Any]]:
     """``digest`` as rows of :data:`COLUMNS`: one per layer, then one per named head.
 
-    ``kind`` is ``layer``, ``moved``, ``lowest`` or ``highest``; ``head`` is
-    None on layer rows; numbers the digest does not have are None.
+    ``kind`` is ``layer``, ``largest_drop`` (at most one row), ``moved``,
+    ``lowest`` or ``highest``; ``head`` is None on layer rows; numbers the
+    digest does not have are None.
     """
     rows: list[list[Any]] = [
         [
@@ -340,7 +340,9 @@ def digest_rows(digest: Digest) -> list[list[Any]]:
         ]
         for layer in digest.layers
     ]
-    for kind, heads in (("moved", digest.moved), ("lowest", digest.lowest), ("highest", digest.highest)):
+    drop = () if digest.largest_drop is None else (digest.largest_drop,)
+    named = (("largest_drop", drop), ("moved", digest.moved), ("lowest", digest.lowest), ("highest", digest.highest))
+    for kind, heads in named:
         rows += [
             [digest.step, kind, h.name, h.layer, h.head, _cell(h.median), _cell(h.first), _cell(h.change), ""]
             for h in heads
@@ -359,8 +361,3 @@ def digest_table(digest: Digest) -> Any:
     except ModuleNotFoundError as error:
         raise ModuleNotFoundError("The W&B digest needs wandb: pip install 'attn-monitor[wandb]'.") from error
     return wandb.Table(columns=list(COLUMNS), data=digest_rows(digest))
-
-
-def write_digest_text(writer: Any, digest: Digest, tag: str = "attn_entropy/digest") -> None:
-    """Write :func:`digest_markdown` to a TensorBoard ``SummaryWriter`` at the digest's step (``add_text``)."""
-    writer.add_text(tag, digest_markdown(digest), global_step=digest.step)

@@ -32,8 +32,8 @@ from attn_monitor.digest import (
     digest_rows,
     digest_table,
     validation_digest,
-    write_digest_text,
 )
+from attn_monitor.loggers import Dashboards, LogOptions, WandbSink
 from attn_monitor.metric import AttentionEntropy, EntropySummary
 from tests.test_callback import read_tensorboard, read_wandb_history, wandb_settings
 
@@ -216,6 +216,7 @@ def test_markdown_and_rows_carry_the_same_numbers(run: tuple[Validation, Validat
 
 
 def test_tensorboard_text_reads_back(tmp_path: Path, run: tuple[Validation, Validation]) -> None:
+    """Dashboards writes each validation's digest, changes measured from the first one it remembered."""
     from torch.utils.tensorboard import SummaryWriter
 
     first, now = run
@@ -224,8 +225,9 @@ def test_tensorboard_text_reads_back(tmp_path: Path, run: tuple[Validation, Vali
         validation_digest(now.summary, 900, baseline=Baseline.of(first.summary, 400)),
     ]
     writer = SummaryWriter(str(tmp_path))
-    for digest in digests:
-        write_digest_text(writer, digest)
+    dashboards = Dashboards(LogOptions(histogram_bins=None, heatmap=False))
+    dashboards.log([writer], first.summary, 400)
+    dashboards.log([writer], now.summary, 900)
     writer.close()
     accumulator = read_tensorboard(str(tmp_path))
     events = accumulator.Tensors("attn_entropy/digest/text_summary")
@@ -240,10 +242,13 @@ def test_wandb_table_reads_back(tmp_path: Path, run: tuple[Validation, Validatio
     monkeypatch.setenv("WANDB_MODE", "offline")
     first, now = run
     digest = validation_digest(now.summary, 900, baseline=Baseline.of(first.summary, 400))
+    assert digest_table(digest).columns == list(COLUMNS)
+    dashboards = Dashboards(LogOptions(histogram_bins=None, heatmap=False))
     with wandb.init(project="digest", dir=str(tmp_path), mode="offline", settings=wandb_settings()) as experiment:
-        experiment.log({"attn_entropy/digest": digest_table(digest)}, step=900)
+        dashboards.log([WandbSink(experiment)], first.summary, 400)
+        dashboards.log([WandbSink(experiment)], now.summary, 900)
     (run_file,) = glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*", "run-*.wandb"))
-    (row,) = [row for row in read_wandb_history(run_file) if "attn_entropy/digest" in row]
+    (_, row) = [row for row in read_wandb_history(run_file) if "attn_entropy/digest" in row]
     assert row["_step"] == 900
     table = json.loads((Path(run_file).parent / "files" / row["attn_entropy/digest"]["path"]).read_text())
     assert table["columns"] == list(COLUMNS)
