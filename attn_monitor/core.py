@@ -174,7 +174,11 @@ class MonitorCore:
         self.recorder.attach(model, device)
 
     def release(self, *, failed: bool = False) -> None:
-        """End any recording and remove the capture's hooks; ``failed`` also drops the run's partial counts."""
+        """End any recording and remove the capture's hooks; ``failed`` also drops the run's partial counts.
+
+        Pictures still being drawn are written first (a failed run keeps what it showed).
+        """
+        self.dashboards.wait()
         self._recording.close()
         self.recorder.release()
         if failed:
@@ -336,7 +340,8 @@ class MonitorCore:
         return scalars
 
     def training_end(self) -> None:
-        """Training is over: say so if no validation was recorded."""
+        """Training is over: the last pictures are written; say so if no validation was recorded."""
+        self.dashboards.wait()
         asked = self.schedule.batches.count > 0  # batches=0: training steps only
         if asked and self._validation_epochs and not self._logged_validations and not self.recorder.saw_nothing:
             self._warn_once("never-monitored", never_monitored_message(self.schedule, self._validation_epochs))

@@ -236,9 +236,10 @@ CARD_WIDTH = 340
 
 def _fit(text: str, size: int, room: int) -> str:
     """``text``, cut with an ellipsis where it would be wider than ``room`` pixels."""
-    if _text_size(text, size)[0] <= room:
+    font = _font(size)
+    if font.getlength(text) <= room:
         return text
-    while text and _text_size(text + "…", size)[0] > room:
+    while text and font.getlength(text + "…") > room:
         text = text[:-1]
     return text + "…"
 
@@ -301,26 +302,14 @@ def grid_picture(
             f"Expected {rows} row labels and {columns} column labels for a grid of shape {(rows, columns)}, "
             f"got {len(row_labels)} and {len(column_labels)}."
         )
-    small, text, big = 10, 11, 13
-    line = _text_size("Ag", text)[1] + 4  # one line of text, descenders included
-    margin = 8
-    label_width = max((_text_size(name, text)[0] for name in row_labels), default=0)
-    left = margin + max(label_width, _text_size(row_title, text)[0]) + 6
-    cell_width = max(3, (width - left - margin) // max(columns, 1))
-    cell_height = int(np.clip(min(cell_width, 360 // max(rows, 1)), 4, 28))
+    frame = _frame(
+        tuple(row_labels), tuple(column_labels), label, row_title, column_title, limits, colours, len(notes), width
+    )
+    pixels = frame.pixels.copy()
+    left, top, cell_width, cell_height = frame.left, frame.top, frame.cell_width, frame.cell_height
     if values is None:
         values = cell_width >= 30 and cell_height >= 16
     grid_width, grid_height = cell_width * columns, cell_height * rows
-    width = max(width, left + grid_width + margin)
-    top = margin + _text_size("Ag", big)[1] + 6 + line * len(notes) + line
-    row_stride = _stride(_text_size("0", text)[1], cell_height)
-    widest = max((_text_size(name, small)[0] for name in column_labels), default=0)
-    column_stride = _stride(widest + 3, cell_width)
-    bar_top = top + grid_height + 4 + line + line + 6
-    bar_height = 10
-    height = bar_top + bar_height + 4 + line + line + margin
-
-    pixels = np.full((height, width, 3), 255, dtype=np.uint8)  # _BACKGROUND
     palette = _palette(colours)
     cells = np.empty((rows, columns, 4), dtype=np.int64)
     if rows and columns:
@@ -335,23 +324,10 @@ def grid_picture(
         ys = top + np.arange(rows) * cell_height
         cells[..., 0], cells[..., 1] = xs[None, :], ys[:, None]
         cells[..., 2], cells[..., 3] = xs[None, :] + cell_width, ys[:, None] + cell_height
-    room = width - 2 * margin
-    bar_left, bar_right = left, max(left + grid_width, width - margin)
-    ramp = palette[np.linspace(0, 255, bar_right - bar_left).round().astype(np.intp)]
-    pixels[bar_top : bar_top + bar_height, bar_left:bar_right] = ramp[None, :, :]
-
-    _put(pixels, _fit(title, big, room), big, margin, margin, "lt", _INK)
+    room = pixels.shape[1] - 2 * _MARGIN
+    _put(pixels, _fit(title, _BIG, room), _BIG, _MARGIN, _MARGIN, "lt", _INK)
     for number, note in enumerate(notes):
-        y = margin + _text_size("Ag", big)[1] + 6 + number * line
-        _put(pixels, _fit(note, text, room), text, margin, y, "lt", _INK)
-    _put(pixels, row_title, text, left - 6, top - 4, "rb", _INK)
-    for row in range(0, rows, row_stride):
-        _put(pixels, row_labels[row], text, left - 6, top + row * cell_height + cell_height // 2, "rm", _INK)
-    for column in range(0, columns, column_stride):
-        x = left + column * cell_width + cell_width // 2
-        _put(pixels, column_labels[column], small, x, top + grid_height + 4, "mt", _INK)
-    column_room = width - left - margin
-    _put(pixels, _fit(column_title, text, column_room), text, left, top + grid_height + 4 + line, "lt", _INK)
+        _put(pixels, _fit(note, _TEXT, room), _TEXT, _MARGIN, _notes_top() + number * _line(), "lt", _INK)
     if values:
         shade = palette.astype(np.float64) @ np.array([0.299, 0.587, 0.114])
         index = _colour_index(grid, limits)
@@ -362,17 +338,88 @@ def grid_picture(
                     continue
                 ink = (0, 0, 0) if shade[index[row, column]] > 140 else (255, 255, 255)
                 x = left + column * cell_width + cell_width // 2
-                _put(pixels, f"{value:.2f}", small, x, top + row * cell_height + cell_height // 2, "mm", ink)
+                _put(pixels, f"{value:.2f}", _SMALL, x, top + row * cell_height + cell_height // 2, "mm", ink)
+    pixels.flags.writeable = False
+    low, high = limits
+    return Picture(pixels=pixels, grid=grid, cells=cells, limits=(float(low), float(high)), colours=colours)
+
+
+#: Text sizes in pixels (cell values and ticks, labels, the title) and the margin around a picture.
+_SMALL, _TEXT, _BIG, _MARGIN = 10, 11, 13, 8
+
+
+def _line() -> int:
+    """The height of one line of label text, descenders included."""
+    return _text_size("Ag", _TEXT)[1] + 4
+
+
+def _notes_top() -> int:
+    return _MARGIN + _text_size("Ag", _BIG)[1] + 6
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """What a grid picture holds besides its cells, title and notes, and where the cells go."""
+
+    pixels: np.ndarray
+    left: int
+    top: int
+    cell_width: int
+    cell_height: int
+
+
+@functools.lru_cache(maxsize=16)  # a validation draws every layer's heads over training in one frame
+def _frame(
+    row_labels: tuple[str, ...],
+    column_labels: tuple[str, ...],
+    label: str,
+    row_title: str,
+    column_title: str,
+    limits: tuple[float, float],
+    colours: str,
+    notes: int,
+    width: int,
+) -> _Frame:
+    """The labels, axis titles and colour bar of a grid picture with ``notes`` lines of notes (read-only)."""
+    rows, columns = len(row_labels), len(column_labels)
+    line, margin = _line(), _MARGIN
+    label_width = max((_text_size(name, _TEXT)[0] for name in row_labels), default=0)
+    left = margin + max(label_width, _text_size(row_title, _TEXT)[0]) + 6
+    cell_width = max(3, (width - left - margin) // max(columns, 1))
+    cell_height = int(np.clip(min(cell_width, 360 // max(rows, 1)), 4, 28))
+    grid_width, grid_height = cell_width * columns, cell_height * rows
+    width = max(width, left + grid_width + margin)
+    top = _notes_top() + line * notes + line
+    row_stride = _stride(_text_size("0", _TEXT)[1], cell_height)
+    widest = max((_text_size(name, _SMALL)[0] for name in column_labels), default=0)
+    column_stride = _stride(widest + 3, cell_width)
+    bar_top = top + grid_height + 4 + line + line + 6
+    bar_height = 10
+    height = bar_top + bar_height + 4 + line + line + margin
+
+    pixels = np.full((height, width, 3), 255, dtype=np.uint8)  # _BACKGROUND
+    palette = _palette(colours)
+    bar_left, bar_right = left, max(left + grid_width, width - margin)
+    ramp = palette[np.linspace(0, 255, bar_right - bar_left).round().astype(np.intp)]
+    pixels[bar_top : bar_top + bar_height, bar_left:bar_right] = ramp[None, :, :]
+    _put(pixels, row_title, _TEXT, left - 6, top - 4, "rb", _INK)
+    for row in range(0, rows, row_stride):
+        _put(pixels, row_labels[row], _TEXT, left - 6, top + row * cell_height + cell_height // 2, "rm", _INK)
+    for column in range(0, columns, column_stride):
+        x = left + column * cell_width + cell_width // 2
+        _put(pixels, column_labels[column], _SMALL, x, top + grid_height + 4, "mt", _INK)
+    column_room = width - left - margin
+    _put(pixels, _fit(column_title, _TEXT, column_room), _TEXT, left, top + grid_height + 4 + line, "lt", _INK)
     low, high = limits
     fractions = (0.0, 0.25, 0.5, 0.75, 1.0) if bar_right - bar_left >= 200 else (0.0, 0.5, 1.0)
     for fraction in fractions:
         x = bar_left + round(fraction * (bar_right - bar_left - 1))
         pixels[bar_top + bar_height : bar_top + bar_height + 3, x] = _INK
         anchor = "lt" if fraction == 0.0 else "rt" if fraction == 1.0 else "mt"
-        _put(pixels, f"{low + fraction * (high - low):g}", small, x, bar_top + bar_height + 4, anchor, _INK)
-    _put(pixels, _fit(label, text, room), text, margin, bar_top + bar_height + 4 + line, "lt", _INK)
+        _put(pixels, f"{low + fraction * (high - low):g}", _SMALL, x, bar_top + bar_height + 4, anchor, _INK)
+    _put(pixels, _fit(label, _TEXT, width - 2 * margin), _TEXT, margin, bar_top + bar_height + 4 + line, "lt", _INK)
     pixels.flags.writeable = False
-    return Picture(pixels=pixels, grid=grid, cells=cells, limits=(float(low), float(high)), colours=colours)
+    return _Frame(pixels, left, top, cell_width, cell_height)
 
 
 def median_grid(summary: EntropySummary) -> np.ndarray:
