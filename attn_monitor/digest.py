@@ -271,6 +271,7 @@ def _layer_alerts(findings: Mapping[str, float], layer: str) -> list[str]:
 def _number(value: float | None, signed: bool = False) -> str:
     if value is None or not math.isfinite(value):
         return "—"
+    value = round(value, 2) + 0.0  # no "-0.00"
     return f"{value:+.2f}" if signed else f"{value:.2f}"
 
 
@@ -286,7 +287,10 @@ def _head_table(title: str, heads: tuple[HeadMedian, ...], first_step: int | Non
 
 
 def digest_markdown(digest: Digest) -> str:
-    """``digest`` as Markdown for TensorBoard's text plugin: the headline, then tables.
+    """``digest`` as Markdown for TensorBoard's text plugin: the headline, the named heads, then every layer.
+
+    The heads come before the layer table, so the part a text card shows
+    without scrolling answers "which head".
 
     Example:
         >>> digest = Digest(step=5, first_step=None, layers=(), moved=(), largest_drop=None, lowest=(), highest=())
@@ -297,8 +301,11 @@ def digest_markdown(digest: Digest) -> str:
     lines = [f"**Step {digest.step}**: {digest.headline}"]
     if digest.alerts:
         lines += ["", "Alerts: " + "; ".join(digest.alerts)]
+    lines += ["", *_head_table("Heads that moved most", digest.moved, digest.first_step)]
+    lines += _head_table("Lowest heads", digest.lowest, digest.first_step)
+    lines += _head_table("Highest heads", digest.highest, digest.first_step)
     if digest.layers:
-        lines += ["", f"**Layers**{since}", "", "| layer | median | change | lowest head | highest head | alerts |"]
+        lines += [f"**Layers**{since}", "", "| layer | median | change | lowest head | highest head | alerts |"]
         lines.append("|---|---|---|---|---|---|")
         for layer in digest.layers:
             low, high = (
@@ -309,9 +316,6 @@ def digest_markdown(digest: Digest) -> str:
                 f"{', '.join(layer.alerts)} |"
             )
         lines.append("")
-    lines += _head_table("Heads that moved most", digest.moved, digest.first_step)
-    lines += _head_table("Lowest heads", digest.lowest, digest.first_step)
-    lines += _head_table("Highest heads", digest.highest, digest.first_step)
     return "\n".join(lines).rstrip()
 
 

@@ -501,7 +501,7 @@ def history_picture(layer: str, steps: Sequence[int], medians: np.ndarray) -> Pi
         medians,
         heads,
         [str(step) for step in steps],
-        title=f"{layer}: median entropy of each head",
+        title=f"layer {layer}: median entropy of each head",
         label="median normalised entropy: 0 = one key, 1 = uniform",
         row_title="",
         column_title="step of the monitored validation",

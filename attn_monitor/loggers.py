@@ -324,9 +324,9 @@ def tensorboard_layout(
         >>> layout["attn_entropy"]  # doctest: +NORMALIZE_WHITESPACE
         {'entropy · mean of all layers': ['Multiline', ['^attn_entropy/mean$']],
          'loss': ['Multiline', ['^val/loss$']]}
-        >>> layout["attn_entropy · h.0"]["h.0 · median, q25-q75 band"]
+        >>> layout["attn_entropy · h.0"]["layer h.0 · median, q25-q75 band"]
         ['Margin', ['attn_entropy/h.0/q50', 'attn_entropy/h.0/q25', 'attn_entropy/h.0/q75']]
-        >>> kind, (pattern,) = layout["attn_entropy · h.0"]["h.0 · median of each head"]
+        >>> kind, (pattern,) = layout["attn_entropy · h.0"]["layer h.0 · median of each head"]
         >>> print(kind, pattern)
         Multiline ^attn_entropy_heads/h\\.0/head_\\d+/q50$
     """
@@ -381,24 +381,31 @@ def _entropy_layout(
         for name in names
         if name.startswith(prefix + "/") and name.endswith(f"/q50{suffix}")
     }
-    for layer in sorted(layers, key=_natural):
+    ordered = sorted(layers, key=_natural)
+    for layer, name in zip(ordered, short_names(ordered), strict=True):
         charts: dict[str, list[Any]] = {}
         if band is not None:
             tags = [f"{prefix}/{layer}/{q}{suffix}" for q in ("q50", *band)]
             if all(tag in names for tag in tags):
-                charts[f"{layer} · median, {band[0]}-{band[1]} band"] = ["Margin", tags]
+                charts[f"layer {name} · median, {band[0]}-{band[1]} band"] = ["Margin", tags]
         if heads.get(layer):
-            title, chart = _heads_chart(prefix, layer, heads[layer], suffix, median="median")
+            title, chart = _heads_chart(prefix, layer, heads[layer], suffix, median="median", name=name)
             charts[title] = chart
         layout[f"{prefix}{suffix} · {layer}"] = charts
     return layout
 
 
-def _heads_chart(family: str, layer: str, stats: set[str], suffix: str, median: str = "q50") -> tuple[str, list[Any]]:
-    """The multi-line chart of one layer's heads: ``q50`` (titled ``median``) where logged, else the first statistic."""
+def _heads_chart(
+    family: str, layer: str, stats: set[str], suffix: str, median: str = "q50", name: str | None = None
+) -> tuple[str, list[Any]]:
+    """The multi-line chart of one layer's heads: ``q50`` (titled ``median``) where logged, else the first statistic.
+
+    ``name`` is the layer as the title shows it (default: its full name).
+    """
     stat = "q50" if "q50" in stats else sorted(stats)[0]
     pattern = f"^{re.escape(family)}_heads/{re.escape(layer)}/head_\\d+/{stat}{re.escape(suffix)}$"
-    return f"{layer} · {median if stat == 'q50' else stat} of each head", ["Multiline", [pattern]]
+    title = layer if name is None else f"layer {name}"
+    return f"{title} · {median if stat == 'q50' else stat} of each head", ["Multiline", [pattern]]
 
 
 def _natural(name: str) -> list[Any]:

@@ -28,6 +28,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from attn_monitor import CollapseAlert, LogOptions
 from attn_monitor.callback import AttentionEntropyMonitor
+from attn_monitor.display import short_names
 from attn_monitor.figures import (
     CARD_WIDTH,
     Picture,
@@ -273,15 +274,16 @@ def test_custom_scalars_layout_one_chart_per_layer(fit_run: Fit) -> None:
     margins = [c for c in charts if c.HasField("margin")]
     multilines = [c for c in charts if c.HasField("multiline")]
     assert len(margins) == len(lm.GPT_LAYERS)
+    shown = dict(zip(lm.GPT_LAYERS, short_names(lm.GPT_LAYERS), strict=True))  # titles: short, categories: full
     for chart, layer in zip(margins, lm.GPT_LAYERS, strict=True):
         (series,) = chart.margin.series
         assert (series.value, series.lower, series.upper) == tuple(
             f"{PREFIX}/{layer}/{q}" for q in ("q50", "q25", "q75")
         )
-        assert layer in chart.title
+        assert chart.title.startswith(f"layer {shown[layer]} · ")
     # One line per head for each layer (per-head values on); no chart of several layers' lines.
     for layer in lm.GPT_LAYERS:
-        (chart,) = [c for c in multilines if c.title.startswith(layer)]
+        (chart,) = [c for c in multilines if c.title.startswith(f"layer {shown[layer]} · ")]
         (pattern,) = chart.multiline.tag
         assert {t for t in scalars if re.search(pattern, t)} == {
             f"{PREFIX}_heads/{layer}/head_{h}/q50" for h in range(4)

@@ -248,7 +248,7 @@ def test_wandb_table_reads_back(tmp_path: Path, run: tuple[Validation, Validatio
         dashboards.log([WandbSink(experiment)], first.summary, 400)
         dashboards.log([WandbSink(experiment)], now.summary, 900)
     (run_file,) = glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*", "run-*.wandb"))
-    (_, row) = [row for row in read_wandb_history(run_file) if "attn_entropy/digest" in row]
+    row = [row for row in read_wandb_history(run_file) if "attn_entropy/digest" in row][-1]
     assert row["_step"] == 900
     table = json.loads((Path(run_file).parent / "files" / row["attn_entropy/digest"]["path"]).read_text())
     assert table["columns"] == list(COLUMNS)
