@@ -8,16 +8,17 @@ however many heads a model has. A summary leaves the monitor by one route,
 training loop; a loop that logs some names itself (Lightning's
 ``LightningModule.log``) says which, and they are left out here:
 
-* TensorBoard (a ``SummaryWriter``), as one event per step: the scalars, one
-  histogram per layer (raw, from the metric's own bins), the heatmap image; a
-  Custom Scalars layout with one margin chart (the median with its quantile
-  band) and one multi-line chart of the heads per layer; when training ends,
-  per layer, the heads-over-training picture;
+* TensorBoard (a ``SummaryWriter``), as one event per step: the scalars, the
+  digest (text), one histogram per layer (raw, from the metric's own bins),
+  the heatmap image; a Custom Scalars layout with entropy beside the loop's
+  own loss, then one margin chart per layer (the median with its quantile
+  band); per layer, the heads-over-training picture (drawn on a thread of
+  its own, see :class:`_Drawer`);
 * Weights & Biases (a :class:`WandbSink` or a run), as one ``log`` call per
-  step: the scalars, ``wandb.Histogram(np_histogram=...)`` per layer, the
-  heatmap image; when training ends, per layer, the heads-over-training
-  picture and one line chart with a line per head
-  (``wandb.plot.line_series``); alerts also go to ``run.alert``;
+  step: the scalars, the digest (a table), ``wandb.Histogram(np_histogram=...)``
+  per layer, the heatmap image, per layer the heads-over-training picture and
+  one line chart with a line per head and a legend (``wandb.plot.line_series``);
+  alerts also go to ``run.alert``;
 * anything with ``log_metrics(metrics, step)``: the scalars and one warning.
 
 The pictures themselves are drawn in :mod:`attn_monitor.figures`.
@@ -870,8 +871,8 @@ def log_summary(
         extra_scalars: further scalars to log with the same step.
         suffix: appended to every name, histograms and pictures included
             (``"/dataloader_idx_1"`` keeps validation dataloaders apart).
-        dashboards: keeps the history across calls for the W&B per-head charts
-            and :meth:`Dashboards.write_history` (default: a new one, no history).
+        dashboards: keeps the history (heads over training) and the digest's first
+            validation across calls (default: a new one, no history).
     """
     dashboards = Dashboards(options) if dashboards is None else dashboards
     names = dashboards.log(sinks, summary, step, extra_scalars=extra_scalars, suffix=suffix)

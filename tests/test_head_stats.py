@@ -451,7 +451,7 @@ def test_fit_logs_statistics_to_tensorboard_per_dataloader(tmp_path: Path) -> No
     logger = TensorBoardLogger(tmp_path, name="tb")
     monitor = AttentionEntropyMonitor(
         statistics=Statistics(max_logit=True, distance=True),
-        log=LogOptions(histogram_bins=None),
+        log=LogOptions(histogram_bins=None, per_head=True),  # each head's max logit is checked
         alerts=[OverloadAlert(0.0), MaxLogitAlert(0.0)],
     )
     recorder = lm.BatchRecorder()
