@@ -256,7 +256,7 @@ class AttentionCapture:
         self._stack: list[tuple[str, bool]] = []
         self._mode = _CaptureMode(self)
         self._recording = False
-        self._pending: list[AttentionCall] = []
+        self._pending: list[tuple[AttentionCall, str]] = []
         self._query_masks: list[tuple[str | None, Tensor]] = []
         self._document_ids: Tensor | None = None
         self._unowned = 0
@@ -277,6 +277,8 @@ class AttentionCapture:
         self.errors = errors
         #: Layer -> calls skipped after an error (``errors="warn"``).
         self.skipped: dict[str, int] = {}
+        #: Layer -> the paths its calls were read by (``sdpa``, ``flex``, ``eager softmax``...).
+        self.paths: dict[str, set[str]] = {}
         self.num_calls = 0
         self.num_recordings = 0
 
@@ -471,7 +473,7 @@ class AttentionCapture:
                 if call is None:
                     self._read_adapter(name, adapter, module, args, kwargs, output)
                 else:
-                    self._accept(name, module, args, kwargs, call)
+                    self._accept(name, module, args, kwargs, call, "eager softmax")
 
         return hook
 
@@ -492,7 +494,7 @@ class AttentionCapture:
             )
             return
         if call is not None:
-            self._accept(name, module, args, kwargs, call)
+            self._accept(name, module, args, kwargs, call, "eager output" if name in self._automatic else "adapter")
         elif name in self._automatic:
             self._warn_once(
                 f"no-probabilities:{name}",
@@ -502,12 +504,12 @@ class AttentionCapture:
                 "this layer is skipped.",
             )
 
-    def _accept(self, name: str, module: nn.Module, args: tuple, kwargs: dict, call: AttentionCall) -> None:
+    def _accept(self, name: str, module: nn.Module, args: tuple, kwargs: dict, call: AttentionCall, path: str) -> None:
         """Receive an eager module's call under its name, self-attention decided as the module docstring says."""
         if call.self_attention is None:
             num_q, num_k = call.support.num_queries, call.support.num_keys
             call = replace(call, self_attention=num_q == num_k and not takes_other_keys(module, args, kwargs))
-        self._receive(replace(call, layer=name))
+        self._receive(replace(call, layer=name), path)
 
     def _innermost(self, unowned: str) -> str:
         """The attention module running now (the owner of a call made here), else ``unowned``."""
@@ -563,7 +565,7 @@ class AttentionCapture:
         if layer == _UNOWNED_SDPA or self._selected(layer):
             call = _sdpa_call(layer, bound)
             num_q, num_k = call.support.num_queries, call.support.num_keys
-            self._receive(replace(call, self_attention=num_q == num_k and not other_keys))
+            self._receive(replace(call, self_attention=num_q == num_k and not other_keys), "sdpa")
 
     def _on_mha(self, bound: dict[str, Any]) -> None:
         if not self._recording:
@@ -580,7 +582,7 @@ class AttentionCapture:
                 )
             else:
                 same = bound["query"] is bound["key"] and call.support.num_queries == call.support.num_keys
-                self._receive(replace(call, self_attention=same))
+                self._receive(replace(call, self_attention=same), "nn.MultiheadAttention")
 
     def _on_flex(self, args: tuple, kwargs: dict) -> None:
         if not self._recording or torch.compiler.is_compiling():
@@ -589,7 +591,7 @@ class AttentionCapture:
         if layer == _UNOWNED_FLEX or self._selected(layer):
             q, k, scale, support, score_mod = read_flex_call(args, kwargs)
             same = support.num_queries == support.num_keys and not other_keys
-            self._receive(AttentionCall(layer, support, q, k, scale, score_mod=score_mod, self_attention=same))
+            self._receive(AttentionCall(layer, support, q, k, scale, score_mod=score_mod, self_attention=same), "flex")
 
     def _on_interface(
         self, module: nn.Module, implementation: str, query: Tensor, key: Tensor, mask: Any, kwargs: dict
@@ -612,7 +614,8 @@ class AttentionCapture:
         on_stack = self._stack and self._stack[-1][0] == name
         other_keys = self._stack[-1][1] if on_stack else takes_other_keys(module, (), {})
         same = support.num_queries == support.num_keys and not other_keys
-        self._receive(AttentionCall(name, support, q, k, scale, score_mod=score_mod, self_attention=same))
+        call = AttentionCall(name, support, q, k, scale, score_mod=score_mod, self_attention=same)
+        self._receive(call, f"attention interface ({implementation})")
 
     def _warn_unread(self) -> None:
         """Name the Hugging Face attention modules that ran but whose attention no path could read."""
@@ -629,17 +632,17 @@ class AttentionCapture:
                 "attn_implementation='sdpa' or 'eager', or pass an adapter for it.",
             )
 
-    def _receive(self, call: AttentionCall) -> None:
+    def _receive(self, call: AttentionCall, path: str) -> None:
         if self._interface_frames:
             self._interface_frames[-1] += 1
         self._read.add(call.layer)
-        self._pending.append(replace(call, document_ids=self._document_ids))
+        self._pending.append((replace(call, document_ids=self._document_ids), path))
         if not torch.compiler.is_compiling():
             self._flush()
 
     def _flush(self) -> None:
         while self._pending:
-            call = self._pending.pop(0)
+            call, path = self._pending.pop(0)
             if call.layer in _UNOWNED:
                 # No attention module around it: named by its order in the forward pass.
                 name = f"{call.layer.strip(chr(0))}_call_{self._unowned}"
@@ -648,6 +651,7 @@ class AttentionCapture:
                     continue
                 call = replace(call, layer=name)
             self.num_calls += 1
+            self.paths.setdefault(call.layer, set()).add(path)
             with torch.no_grad(), self._contained(call.layer):
                 # Tensor parallelism: which of the layer's heads this rank holds.
                 placed = place_heads(call, self._module_of(call.layer))

@@ -50,7 +50,7 @@ from attn_monitor.recording import BatchMask, Recorder, Statistics
 from attn_monitor.schedule import Batches, BatchSchedule
 from attn_monitor.shared import WarnOnce
 
-__all__ = ["MonitorCore", "ValidationOutcome", "never_monitored_message"]
+__all__ = ["MonitorCore", "ValidationOutcome", "never_monitored_message", "setup_line"]
 
 #: The stream of recorded training steps (validation streams are keyed by dataloader index).
 TRAIN = "train"
@@ -88,6 +88,7 @@ class MonitorCore:
         document_ids: ``document_ids(batch) -> (batch, seq)``; default: a dict batch's ``document_ids``.
         adapters: module name pattern -> adapter, see :class:`~attn_monitor.capture.AttentionCapture`.
         warn: ``warn(message, stacklevel=...)`` for every warning (the loop's rank-zero warning).
+        say: ``say(line)`` for the one set-up line of each run (the loop's rank-zero print).
 
     Raises:
         TypeError, ValueError: a bad option, named.
@@ -106,6 +107,7 @@ class MonitorCore:
         document_ids: BatchMask | None = None,
         adapters: Mapping[str, Adapter] | None = None,
         warn: Callable[..., object] = warnings.warn,
+        say: Callable[[str], object] = print,
     ) -> None:
         self.schedule = BatchSchedule(batches if isinstance(batches, Batches) else Batches(batches))
         self.options = LogOptions() if log is None else log
@@ -133,6 +135,8 @@ class MonitorCore:
         #: Max logit and distance of each validation dataloader at the last monitored run (when on).
         self.last_statistics: dict[int, StatisticsSummary] = {}
         self._warn = warn
+        self._say = say
+        self._told = False  # the set-up line of this run was said
         self._warn_once = WarnOnce(warn)
         self._recording = ExitStack()
         self._validation: tuple[bool, int] | None = None  # (sanity check, epoch) of the recorded validation
@@ -172,7 +176,11 @@ class MonitorCore:
         self.recorder.attach(model, device)
 
     def release(self, *, failed: bool = False) -> None:
-        """End any recording and remove the capture's hooks; ``failed`` also drops the run's partial counts."""
+        """End any recording and remove the capture's hooks; ``failed`` also drops the run's partial counts.
+
+        Pictures still being drawn are written first (a failed run keeps what it showed).
+        """
+        self.dashboards.wait()
         self._recording.close()
         self.recorder.release()
         if failed:
@@ -190,6 +198,7 @@ class MonitorCore:
         self._validation, self._training_step = None, False
         self._validation_epochs = []
         self._logged_validations = 0
+        self._told = False
 
     def _alert(self, message: str, stacklevel: int = 2) -> None:
         """Warn and send the same text to every W&B sink as ``run.alert``."""
@@ -221,7 +230,12 @@ class MonitorCore:
             yield True
 
     def validation_end(
-        self, step: int, *, num_dataloaders: int = 1, logged_elsewhere: Callable[[str], bool] | None = None
+        self,
+        step: int,
+        *,
+        num_dataloaders: int = 1,
+        logged_elsewhere: Callable[[str], bool] | None = None,
+        loop_names: Iterable[str] = (),
     ) -> ValidationOutcome:
         """Summarise, alert and write a recorded validation at ``step``; nothing when it was not recorded.
 
@@ -232,6 +246,7 @@ class MonitorCore:
             step: the step the loop logs this validation's own values at.
             num_dataloaders: validation dataloaders (names get ``/dataloader_idx_{i}`` when more than one).
             logged_elsewhere: names the loop logs itself; the sinks do not get them from here.
+            loop_names: names the loop logs of its own (its validation loss gets a chart beside entropy's).
         """
         if self._validation is None:
             return ValidationOutcome({})
@@ -240,11 +255,14 @@ class MonitorCore:
         stop = recorded = False
         for index in range(max(num_dataloaders, 1)):
             suffix = f"/dataloader_idx_{index}" if num_dataloaders > 1 else ""
-            logged = self._end_stream(index, step, suffix, alerts=not sanity_check, logged_elsewhere=logged_elsewhere)
+            logged = self._end_stream(
+                index, step, suffix, alerts=not sanity_check, logged_elsewhere=logged_elsewhere, loop_names=loop_names
+            )
             if logged is None:
                 continue
             scalars.update(logged)
             recorded = True
+            self._tell(self.last_summaries[index])
             stop |= any(alert.stop and alert.flagged for alert in self.alerts) and not sanity_check
             for archive in self.archives if not sanity_check else ():
                 archive.save(self.last_summaries[index], epoch, index if num_dataloaders > 1 else None)
@@ -253,7 +271,14 @@ class MonitorCore:
         return ValidationOutcome(scalars, stop)
 
     def _end_stream(
-        self, index: int, step: int, suffix: str, *, alerts: bool, logged_elsewhere: Callable[[str], bool] | None
+        self,
+        index: int,
+        step: int,
+        suffix: str,
+        *,
+        alerts: bool,
+        logged_elsewhere: Callable[[str], bool] | None,
+        loop_names: Iterable[str],
     ) -> dict[str, float] | None:
         """Compute, alert and write one dataloader's stream; its scalars (None: nothing recorded)."""
         summary, masses = self.recorder.collect(index)
@@ -267,19 +292,28 @@ class MonitorCore:
             self.last_statistics[index] = statistics
             clip = self.recorder.statistics.clip_threshold
             extra.update(statistics.to_dict("attn", per_head=self.options.per_head, clip_threshold=clip))
+        findings: dict[str, float] = {}
         for alert in self.alerts if alerts else ():
-            extra.update(alert.check(summary, statistics, key=index))
+            findings.update(alert.check(summary, statistics, key=index))
+        extra.update(findings)
         if masses is not None:
             self.leakage(masses)
         return self.dashboards.log(
-            self.sinks, summary, step, extra_scalars=extra, suffix=suffix,
-            logged_elsewhere=logged_elsewhere if alerts else None, remember=alerts,
+            self.sinks, summary, step, extra_scalars=extra, alerts=findings, suffix=suffix,
+            logged_elsewhere=logged_elsewhere if alerts else None, loop_names=loop_names, remember=alerts,
         )  # fmt: skip
 
     def _bound_names(self, key: Any, family: str) -> dict[str, float]:
         """The max-logit bound of stream ``key`` under ``family`` (every rank: a collective); none when off."""
         bound = self.recorder.collect_bound(key)
         return {} if bound is None else bound.to_dict(family, per_head=self.options.per_head)
+
+    def _tell(self, summary: EntropySummary) -> None:
+        """Say the set-up line once per run, at its first recorded validation: what was found and is recorded."""
+        capture = self.recorder.capture
+        if not self._told and capture is not None:
+            self._told = True
+            self._say(setup_line(summary, capture.paths, self.schedule.batches))
 
     def _warn_if_blind(self) -> None:
         if self.recorder.saw_nothing and self.recorder.capture is not None:
@@ -315,8 +349,8 @@ class MonitorCore:
         return scalars
 
     def training_end(self) -> None:
-        """Training is over: write each layer's heads-over-training views; say so if no validation was recorded."""
-        self.dashboards.write_history(self.sinks)
+        """Training is over: the last pictures are written; say so if no validation was recorded."""
+        self.dashboards.wait()
         asked = self.schedule.batches.count > 0  # batches=0: training steps only
         if asked and self._validation_epochs and not self._logged_validations and not self.recorder.saw_nothing:
             self._warn_once("never-monitored", never_monitored_message(self.schedule, self._validation_epochs))
@@ -337,6 +371,39 @@ class MonitorCore:
         self.dashboards.load_state_dict(state_dict)
         for alert in self.alerts:
             alert.load_state_dict(state_dict)
+
+
+def setup_line(summary: EntropySummary, paths: Mapping[str, Iterable[str]], batches: Batches) -> str:
+    """One line: the layers found, the attention paths that read them, the batches recorded.
+
+    Example:
+        >>> import torch
+        >>> from attn_monitor import AttentionEntropy
+        >>> metric = AttentionEntropy(num_bins=10)
+        >>> for layer in ("h.0.attn", "h.1.attn"):
+        ...     metric.update(layer, torch.ones(1, 4, 3), torch.tensor(8))
+        >>> print(setup_line(metric.compute(), {"h.0.attn": {"sdpa"}}, Batches(2)))  # doctest: +NORMALIZE_WHITESPACE
+        attn_monitor: 2 attention layers found (h.0.attn, h.1.attn), 4 heads each, read by sdpa;
+        recording the first 2 batches of each validation dataloader, every epoch.
+    """
+    layers = list(summary.layers)
+    shown = ", ".join(layers) if len(layers) <= 2 else f"{layers[0]} ... {layers[-1]}"
+    low, high = min(summary.num_heads, default=0), max(summary.num_heads, default=0)
+    heads = f"{high} heads each" if low == high else f"{low}-{high} heads"
+    read_by = ", ".join(sorted({path for layer in layers for path in paths.get(layer, ())})) or "no path"
+    if batches.indices is not None:
+        which = f"batches {list(batches.indices)}"
+    elif batches.random_sample:
+        which = f"{batches.count} random batches (seed {batches.seed})"
+    else:
+        which = f"the first {batches.count} batches"
+    every = "every epoch" if batches.every_n_epochs == 1 else f"every {batches.every_n_epochs} epochs"
+    steps = batches.train_every_n_steps
+    train = "" if steps is None else f"; a training batch every {steps} steps"
+    return (
+        f"attn_monitor: {len(layers)} attention layers found ({shown}), {heads}, read by {read_by}; "
+        f"recording {which} of each validation dataloader, {every}{train}."
+    )
 
 
 def never_monitored_message(schedule: BatchSchedule, epochs_seen: Sequence[int]) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from attn_monitor.display import short_names
 from attn_monitor.metric import EntropySummary
 
 __all__ = [
@@ -228,6 +229,26 @@ def read_cells(picture: Picture) -> np.ndarray:
     return out
 
 
+#: Width of the logged pictures: TensorBoard's default image card (about 350 pixels) and a W&B media panel
+#: show them at their own size, neither scaled down nor scrolled.
+CARD_WIDTH = 340
+
+
+def _fit(text: str, size: int, room: int) -> str:
+    """``text``, cut with an ellipsis where it would be wider than ``room`` pixels."""
+    font = _font(size)
+    if font.getlength(text) <= room:
+        return text
+    while text and font.getlength(text + "…") > room:
+        text = text[:-1]
+    return text + "…"
+
+
+def _stride(extent: int, cell: int) -> int:
+    """Label every k-th cell, so that labels ``extent`` pixels long keep a gap of at least 3 pixels."""
+    return max(1, -(-(extent + 3) // max(cell, 1)))
+
+
 def grid_picture(
     grid: np.ndarray,
     row_labels: Sequence[str],
@@ -240,14 +261,19 @@ def grid_picture(
     limits: tuple[float, float] = (0.0, 1.0),
     colours: str = "viridis",
     values: bool | None = None,
+    notes: Sequence[str] = (),
+    width: int = CARD_WIDTH,
 ) -> Picture:
-    """Draw ``grid`` (rows, columns) as coloured cells with labels, a title and a colour bar.
+    """Draw ``grid`` (rows, columns) as coloured cells with labels, a title, notes and a colour bar.
 
-    Sized to stay legible: at least 400 x 300 pixels, cell text in 11 pt
-    DejaVu, row labels never overlap (rows are at least 15 pixels tall), column
-    labels thinned to every k-th when they would touch. ``values`` writes each
-    cell's value in it (default: when the columns are at most 16 and the
-    rows at most 48). Empty (NaN) cells are light grey.
+    Sized for the card it is shown in: ``width`` pixels wide (wider only when
+    the columns would get under 3 pixels each), the cells as wide as fits and
+    about square. The title and each line of ``notes`` take one line each,
+    cut with an ellipsis when too long, so where the cells go depends on the
+    grid, the row labels and the number of notes only. Row and column labels
+    are thinned to every k-th where neighbours would touch. ``values`` writes
+    each cell's value in it (default: where a cell is at least 30 x 16
+    pixels). Empty (NaN) cells are light grey.
 
     Raises:
         ValueError: ``grid`` is not 2-D or the labels do not match it.
@@ -262,7 +288,7 @@ def grid_picture(
         ...     row_title="layer",
         ...     column_title="head",
         ... )
-        >>> picture.size[0] >= 400 and picture.size[1] >= 300
+        >>> picture.size[0] == CARD_WIDTH
         True
         >>> read_cells(picture).tolist()
         [[0.0, 1.0]]
@@ -276,26 +302,14 @@ def grid_picture(
             f"Expected {rows} row labels and {columns} column labels for a grid of shape {(rows, columns)}, "
             f"got {len(row_labels)} and {len(column_labels)}."
         )
+    frame = _frame(
+        tuple(row_labels), tuple(column_labels), label, row_title, column_title, limits, colours, len(notes), width
+    )
+    pixels = frame.pixels.copy()
+    left, top, cell_width, cell_height = frame.left, frame.top, frame.cell_width, frame.cell_height
     if values is None:
-        values = columns <= 16 and rows <= 48
-    small, text, big = 11, 12, 14
-    cell_height = (32 if rows <= 8 else 24) if values or rows <= 16 else 15
-    cell_width = max(40 if values else 14, min(64, 720 // max(columns, 1)))
-    label_width = max((_text_size(name, text)[0] for name in row_labels), default=0)
-    margin = 12
-    left = margin + max(label_width, _text_size(row_title, text)[0]) + 8
-    top = margin + _text_size(title, big)[1] + 14 + _text_size(row_title, text)[1] + 6
+        values = cell_width >= 30 and cell_height >= 16
     grid_width, grid_height = cell_width * columns, cell_height * rows
-    # Column labels: every k-th, so neighbours keep a gap of at least 6 pixels.
-    widest = max((_text_size(name, small)[0] for name in column_labels), default=0)
-    stride = max(1, -(-(widest + 6) // cell_width))
-    bar_top = top + grid_height + 8 + 14 + 6 + _text_size(column_title, text)[1] + 14
-    bar_height = 14
-    height = max(300, bar_top + bar_height + 8 + 14 + 8 + _text_size(label, text)[1] + margin)
-    width = max(400, left + grid_width + margin, margin + _text_size(title, big)[0] + margin)
-    width = max(width, left + _text_size(label, text)[0] + margin)
-
-    pixels = np.full((height, width, 3), 255, dtype=np.uint8)  # _BACKGROUND
     palette = _palette(colours)
     cells = np.empty((rows, columns, 4), dtype=np.int64)
     if rows and columns:
@@ -310,19 +324,10 @@ def grid_picture(
         ys = top + np.arange(rows) * cell_height
         cells[..., 0], cells[..., 1] = xs[None, :], ys[:, None]
         cells[..., 2], cells[..., 3] = xs[None, :] + cell_width, ys[:, None] + cell_height
-    bar_left, bar_right = left, left + max(grid_width, 200)
-    bar_right = min(bar_right, width - margin)
-    ramp = palette[np.linspace(0, 255, bar_right - bar_left).round().astype(np.intp)]
-    pixels[bar_top : bar_top + bar_height, bar_left:bar_right] = ramp[None, :, :]
-
-    _put(pixels, title, big, margin, margin, "lt", _INK)
-    _put(pixels, row_title, text, left - 8, top - 6, "rb", _INK)
-    for row, name in enumerate(row_labels):
-        _put(pixels, name, text, left - 8, top + row * cell_height + cell_height // 2, "rm", _INK)
-    for column in range(0, columns, stride):
-        x = left + column * cell_width + cell_width // 2
-        _put(pixels, column_labels[column], small, x, top + grid_height + 6, "mt", _INK)
-    _put(pixels, column_title, text, left + grid_width // 2, top + grid_height + 6 + 14 + 6, "mt", _INK)
+    room = pixels.shape[1] - 2 * _MARGIN
+    _put(pixels, _fit(title, _BIG, room), _BIG, _MARGIN, _MARGIN, "lt", _INK)
+    for number, note in enumerate(notes):
+        _put(pixels, _fit(note, _TEXT, room), _TEXT, _MARGIN, _notes_top() + number * _line(), "lt", _INK)
     if values:
         shade = palette.astype(np.float64) @ np.array([0.299, 0.587, 0.114])
         index = _colour_index(grid, limits)
@@ -333,16 +338,88 @@ def grid_picture(
                     continue
                 ink = (0, 0, 0) if shade[index[row, column]] > 140 else (255, 255, 255)
                 x = left + column * cell_width + cell_width // 2
-                _put(pixels, f"{value:.2f}", small, x, top + row * cell_height + cell_height // 2, "mm", ink)
-    low, high = limits
-    for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
-        x = bar_left + round(fraction * (bar_right - bar_left - 1))
-        pixels[bar_top + bar_height : bar_top + bar_height + 4, x] = _INK
-        anchor = "lt" if fraction == 0.0 else "rt" if fraction == 1.0 else "mt"
-        _put(pixels, f"{low + fraction * (high - low):g}", small, x, bar_top + bar_height + 6, anchor, _INK)
-    _put(pixels, label, text, bar_left, bar_top + bar_height + 6 + 14 + 6, "lt", _INK)
+                _put(pixels, f"{value:.2f}", _SMALL, x, top + row * cell_height + cell_height // 2, "mm", ink)
     pixels.flags.writeable = False
+    low, high = limits
     return Picture(pixels=pixels, grid=grid, cells=cells, limits=(float(low), float(high)), colours=colours)
+
+
+#: Text sizes in pixels (cell values and ticks, labels, the title) and the margin around a picture.
+_SMALL, _TEXT, _BIG, _MARGIN = 10, 11, 13, 8
+
+
+def _line() -> int:
+    """The height of one line of label text, descenders included."""
+    return _text_size("Ag", _TEXT)[1] + 4
+
+
+def _notes_top() -> int:
+    return _MARGIN + _text_size("Ag", _BIG)[1] + 6
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """What a grid picture holds besides its cells, title and notes, and where the cells go."""
+
+    pixels: np.ndarray
+    left: int
+    top: int
+    cell_width: int
+    cell_height: int
+
+
+@functools.lru_cache(maxsize=16)  # a validation draws every layer's heads over training in one frame
+def _frame(
+    row_labels: tuple[str, ...],
+    column_labels: tuple[str, ...],
+    label: str,
+    row_title: str,
+    column_title: str,
+    limits: tuple[float, float],
+    colours: str,
+    notes: int,
+    width: int,
+) -> _Frame:
+    """The labels, axis titles and colour bar of a grid picture with ``notes`` lines of notes (read-only)."""
+    rows, columns = len(row_labels), len(column_labels)
+    line, margin = _line(), _MARGIN
+    label_width = max((_text_size(name, _TEXT)[0] for name in row_labels), default=0)
+    left = margin + max(label_width, _text_size(row_title, _TEXT)[0]) + 6
+    cell_width = max(3, (width - left - margin) // max(columns, 1))
+    cell_height = int(np.clip(min(cell_width, 360 // max(rows, 1)), 4, 28))
+    grid_width, grid_height = cell_width * columns, cell_height * rows
+    width = max(width, left + grid_width + margin)
+    top = _notes_top() + line * notes + line
+    row_stride = _stride(_text_size("0", _TEXT)[1], cell_height)
+    widest = max((_text_size(name, _SMALL)[0] for name in column_labels), default=0)
+    column_stride = _stride(widest + 3, cell_width)
+    bar_top = top + grid_height + 4 + line + line + 6
+    bar_height = 10
+    height = bar_top + bar_height + 4 + line + line + margin
+
+    pixels = np.full((height, width, 3), 255, dtype=np.uint8)  # _BACKGROUND
+    palette = _palette(colours)
+    bar_left, bar_right = left, max(left + grid_width, width - margin)
+    ramp = palette[np.linspace(0, 255, bar_right - bar_left).round().astype(np.intp)]
+    pixels[bar_top : bar_top + bar_height, bar_left:bar_right] = ramp[None, :, :]
+    _put(pixels, row_title, _TEXT, left - 6, top - 4, "rb", _INK)
+    for row in range(0, rows, row_stride):
+        _put(pixels, row_labels[row], _TEXT, left - 6, top + row * cell_height + cell_height // 2, "rm", _INK)
+    for column in range(0, columns, column_stride):
+        x = left + column * cell_width + cell_width // 2
+        _put(pixels, column_labels[column], _SMALL, x, top + grid_height + 4, "mt", _INK)
+    column_room = width - left - margin
+    _put(pixels, _fit(column_title, _TEXT, column_room), _TEXT, left, top + grid_height + 4 + line, "lt", _INK)
+    low, high = limits
+    fractions = (0.0, 0.25, 0.5, 0.75, 1.0) if bar_right - bar_left >= 200 else (0.0, 0.5, 1.0)
+    for fraction in fractions:
+        x = bar_left + round(fraction * (bar_right - bar_left - 1))
+        pixels[bar_top + bar_height : bar_top + bar_height + 3, x] = _INK
+        anchor = "lt" if fraction == 0.0 else "rt" if fraction == 1.0 else "mt"
+        _put(pixels, f"{low + fraction * (high - low):g}", _SMALL, x, bar_top + bar_height + 4, anchor, _INK)
+    _put(pixels, _fit(label, _TEXT, width - 2 * margin), _TEXT, margin, bar_top + bar_height + 4 + line, "lt", _INK)
+    pixels.flags.writeable = False
+    return _Frame(pixels, left, top, cell_width, cell_height)
 
 
 def median_grid(summary: EntropySummary) -> np.ndarray:
@@ -356,38 +433,77 @@ def median_grid(summary: EntropySummary) -> np.ndarray:
     return grid
 
 
-def heatmap_picture(summary: EntropySummary, *, title: str | None = None, grid: np.ndarray | None = None) -> Picture:
-    """Layer x head picture of each head's median normalised entropy.
+def _extreme(grid: np.ndarray, names: Sequence[str], pick: str) -> str:
+    """``name head h = value`` of the lowest (``pick="min"``) or highest cell of ``grid``; ``—`` when all are empty."""
+    if not np.isfinite(grid).any():
+        return "—"
+    flat = np.nanargmin(grid) if pick == "min" else np.nanargmax(grid)
+    row, column = np.unravel_index(flat, grid.shape)
+    return f"{names[int(row)]} head {column} = {grid[row, column]:.2f}"
 
-    ``grid`` is :func:`median_grid` of ``summary``, computed here unless given.
+
+def heatmap_picture(
+    summary: EntropySummary, *, title: str | None = None, grid: np.ndarray | None = None, step: int | None = None
+) -> Picture:
+    """Layer x head picture of each head's median normalised entropy, the lowest and highest head named.
+
+    ``grid`` is :func:`median_grid` of ``summary``, computed here unless given;
+    layers are labelled by their :func:`~attn_monitor.display.short_names`.
     """
     grid = median_grid(summary) if grid is None else grid
+    names = short_names(summary.layers)
+    at = "" if step is None else f" · step {step}"
     return grid_picture(
         grid,
-        list(summary.layers),
+        names,
         [str(h) for h in range(grid.shape[1])],
-        title=title or "Median normalised attention entropy per head",
+        title=(title or "Median entropy of each head") + at,
         label="median normalised entropy: 0 = one key, 1 = uniform",
         row_title="layer",
         column_title="head",
+        notes=(f"lowest: layer {_extreme(grid, names, 'min')}", f"highest: layer {_extreme(grid, names, 'max')}"),
     )
+
+
+#: The most validations a heads-over-training picture shows (evenly spaced, the first and last kept).
+HISTORY_COLUMNS = 48
 
 
 def history_picture(layer: str, steps: Sequence[int], medians: np.ndarray) -> Picture:
     """Head x validation picture of one layer: how each head's median moved over training.
 
+    Notes name the step shown last, the lowest head then and the head whose
+    median fell most since the first validation. More than
+    :data:`HISTORY_COLUMNS` validations are thinned to that many.
+
     Args:
-        layer: the layer's name (in the title).
+        layer: the layer's name as shown (in the title).
         steps: the step of each monitored validation (column labels).
         medians: (heads, validations) medians, NaN where a head had no counted query.
     """
+    steps = list(steps)
+    if len(steps) > HISTORY_COLUMNS:
+        keep = np.unique(np.linspace(0, len(steps) - 1, HISTORY_COLUMNS).round().astype(np.intp))
+        steps, medians = [steps[i] for i in keep], medians[:, keep]
+    heads = [f"head {h}" for h in range(medians.shape[0])]
+    notes = ["—", "—"]
+    last = medians[:, -1] if steps else np.empty(0)
+    if np.isfinite(last).any():
+        low, high = int(np.nanargmin(last)), int(np.nanargmax(last))
+        notes[0] = f"step {steps[-1]}: lowest head {low} = {last[low]:.2f}, highest head {high} = {last[high]:.2f}"
+        change = medians[:, -1:] - medians[:, :1]
+        if len(steps) > 1 and np.isfinite(change).any() and np.nanmin(change) < 0:
+            h = int(np.nanargmin(change))
+            notes[1] = f"largest drop: head {h}, {medians[h, 0]:.2f} → {medians[h, -1]:.2f} since step {steps[0]}"
+        else:
+            notes[1] = "no head fell since the first validation"
     return grid_picture(
         medians,
-        [f"head {h}" for h in range(medians.shape[0])],
+        heads,
         [str(step) for step in steps],
-        title=f"{layer}: median normalised entropy of each head over training",
+        title=f"layer {layer}: median entropy of each head",
         label="median normalised entropy: 0 = one key, 1 = uniform",
         row_title="",
         column_title="step of the monitored validation",
-        values=medians.shape[0] <= 16 and len(steps) <= 12,
+        notes=notes,
     )

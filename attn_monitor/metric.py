@@ -371,6 +371,7 @@ class _Summary:
         self._stats = copy_statistics(stats)
         self._stats.setdefault("nonfinite", torch.zeros_like(self._stats["count"]))
         self._quantiles: dict[float, Tensor] = {}
+        self._layer_quantiles: dict[float, Tensor] = {}
 
     histogram = property(lambda self: self._stats["hist"])
     count = property(lambda self: self._stats["count"])
@@ -428,8 +429,10 @@ class _Summary:
         return self._std(pooled=True)
 
     def layer_quantile(self, q: float) -> Tensor:
-        """(L,) quantile ``q``, heads pooled."""
-        return histogram_quantile(self.histogram.sum(1), q)
+        """(L,) quantile ``q``, heads pooled (computed once per level, as :meth:`quantile`)."""
+        if q not in self._layer_quantiles:
+            self._layer_quantiles[q] = histogram_quantile(self.histogram.sum(1), q)
+        return self._layer_quantiles[q].clone()
 
     @property
     def overall_mean(self) -> float:
@@ -521,8 +524,7 @@ class EntropySummary(_Summary):
         names = {q: quantile_name(q) for q in quantiles}
         out: dict[str, float] = {}
         # Every tensor once, to Python floats once: indexing element by element costs more than the math.
-        pooled = self.histogram.sum(1)
-        layer_quantiles = {q: histogram_quantile(pooled, q).tolist() for q in quantiles}
+        layer_quantiles = {q: self.layer_quantile(q).tolist() for q in quantiles}
         head_median, head_mean, count = self.quantile(0.5).tolist(), self.mean.tolist(), self.count.tolist()
         layer_count, nonfinite = self.count.sum(-1).tolist(), self.nonfinite.sum(-1).tolist()
         layer_mean, layer_mean_seq = self.layer_mean.tolist(), self.layer_mean_seq.tolist()

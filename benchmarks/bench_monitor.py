@@ -23,8 +23,9 @@ Three measurements on the demo model of ``examples/train_tiny_gpt.py`` (a
 * **(d) fixed cost at 32 layers x 32 heads**: ``Trainer.validate`` of a model
   with 32 attention layers of 32 heads and next to no compute, unmonitored
   vs monitored (one recorded batch) with default logging and scalars only:
-  what the epoch-end work (compute, alerts, 2300 scalars, histograms, the
-  heatmap) costs however big the model.
+  what the epoch-end work (compute, alerts, 257 scalars, the digest,
+  histograms, the heatmap, the heads-over-training pictures) costs however
+  big the model.
 
 Times are from interleaved repeats (the order changes every repeat); ratios
 and differences are medians of per-repeat pairs measured side by side, so
@@ -562,8 +563,9 @@ def bench_fixed_cost(layers: int, heads: int, repeats: int, threads: int) -> str
         f"one Trainer + TensorBoardLogger per row kept across {repeats} interleaved repeats (as the validations "
         "of one fit). At the validation end the monitor computes its summary, runs the alerts and logs "
         f"{layers * 8 + 1} per-layer and overall scalars ({layers + 1} means through `LightningModule.log`, "
-        "all of them in `trainer.callback_metrics`), "
-        f"{layers * heads * 2} per-head scalars and, with default logging, {layers} histograms and the heatmap: "
+        "all of them in `trainer.callback_metrics`; per-head scalars are off by default) and, with default "
+        f"logging, the digest, {layers} histograms, the heatmap and {layers} heads-over-training pictures (drawn "
+        "and written to TensorBoard on a thread of their own): "
         "the fixed cost of a validation, timed inside the monitor's `on_validation_epoch_end` (TensorBoard "
         "serialises and writes the event in its own thread afterwards); of it, Lightning's `log_dict` of the "
         "means, and the monitor's own part (the rest). extra ms: the whole validate minus "

@@ -17,7 +17,7 @@ summarise each, compare the two summaries head by head. This example:
    layer x head heatmap of W1 to ``runs/pictures/compare_w1.png``;
 4. runs the same comparison with the command line, as you would from a shell::
 
-       attn-monitor compare epoch0_entropy.pt epoch5_entropy.pt --top 5 --heatmap out.png
+       attn-monitor compare epoch0_entropy.pt epoch5_entropy.pt --top 5 --heatmap runs/pictures/cli_w1.png
 
 Run it with::
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import shutil
 import subprocess
 import sys
@@ -161,8 +162,9 @@ def main() -> None:
     print(f"W1 heatmap written to {heatmap}")
 
     # The same comparison from the shell.
-    command = [*cli(), "compare", str(path_a), str(path_b), "--top", "5", "--heatmap", str(out / "cli_w1.png")]
-    print(f"\nFrom the shell: attn-monitor compare {path_a} {path_b} --top 5 --heatmap {out / 'cli_w1.png'}")
+    shell_heatmap = str(heatmap.with_name("cli_w1.png"))
+    command = [*cli(), "compare", str(path_a), str(path_b), "--top", "5", "--heatmap", shell_heatmap]
+    print(f"\nFrom the shell:\n  {shlex.join(command)}")
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     print(result.stdout, end="")
     if result.returncode != 0:

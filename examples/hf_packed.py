@@ -184,13 +184,18 @@ def train(model: Any, steps: int, seed: int) -> None:
 
 
 class MaskSpy:
-    """A capture consumer that remembers the mask each layer's SDPA call received."""
+    """A capture consumer that remembers, per layer, which keys each query could see in its SDPA call.
+
+    The capture may keep a mask in a compact form (causal, documents) rather
+    than as the tensor it was given; ``support.dense()`` is the visibility it
+    means, (B, H or 1, Nq, Nk) bool, whatever the form.
+    """
 
     def __init__(self) -> None:
-        self.masks: dict[str, Tensor | None] = {}
+        self.masks: dict[str, Tensor] = {}
 
     def __call__(self, call: AttentionCall, sample: Tensor) -> None:
-        self.masks.setdefault(call.layer, call.support.mask)
+        self.masks.setdefault(call.layer, call.support.dense())
 
 
 def evaluate(
@@ -287,8 +292,9 @@ def main() -> None:
     }
     evaluate_attention(model, isolated[:1], padding_mask=real_tokens, consumers=[spy])
     expected = isolated[0]["attention_mask"]
-    unchanged = all(mask is not None and torch.equal(mask, expected) for mask in spy.masks.values())
-    print(f"The 4-D mask reaches SDPA unchanged in every layer: {unchanged}")
+    unchanged = all(torch.equal(mask.expand_as(expected), expected) for mask in spy.masks.values())
+    verdict = "yes" if unchanged else "NO: the monitor measured another mask than the model used"
+    print(f"Each layer's SDPA call saw exactly the 4-D block-diagonal mask the batch holds: {verdict}")
 
     with torch.no_grad():
         accuracy = {

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -363,7 +364,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for index, name in ((0, "heatmap_epoch0.png"), (-1, "heatmap.png")):
-        title = f"Epoch {history.epochs[index]}: median normalised attention entropy per head"
+        title = f"Epoch {history.epochs[index]}: median entropy of each head"
         save_heatmap(history.summaries[index], str(out / name), title=title)
     from PIL import Image
 
@@ -372,10 +373,12 @@ def main() -> None:
         Image.fromarray(history_picture(layer, steps, medians).pixels).save(out / f"over_training_{layer}.png")
     print(f"Pictures: {out}/heatmap_epoch0.png (first epoch), heatmap.png (last), over_training_<layer>.png")
     print(f"TensorBoard logs: {loggers[0].log_dir}")
-    print(f"  open them with:  .venv/bin/tensorboard --logdir {args.logdir}   (then http://localhost:6006)")
+    print("  open them with (then http://localhost:6006):")
+    print(f"    .venv/bin/tensorboard --logdir {shlex.quote(args.logdir)}")
     if args.wandb:
         print(f"W&B offline run: {Path(args.logdir) / 'wandb'}")
-        print(f"  upload it with:  .venv/bin/wandb sync {Path(args.logdir) / 'wandb'}/offline-run-*")
+        print("  upload it with:")
+        print(f"    .venv/bin/wandb sync {shlex.quote(str(Path(args.logdir) / 'wandb'))}/offline-run-*")
     print(f"Finished in {time.perf_counter() - start:.0f} s.")
 
 

@@ -149,7 +149,7 @@ def test_fit_logs_the_bound_on_training_steps_and_validations(tmp_path: Path) ->
     monitor = AttentionEntropyMonitor(
         batches=Batches(2, train_every_n_steps=1),
         statistics=Statistics(max_logit_bound=True),
-        log=LogOptions(histogram_bins=None, heatmap=False),
+        log=LogOptions(histogram_bins=None, heatmap=False, per_head=True),
     )
     recorder = lm.BatchRecorder(train_every=1)
     trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor, recorder], max_epochs=1)

@@ -154,20 +154,28 @@ def _quantile_close(got: float, values: Tensor, q: float) -> bool:
     return low - QUANTILE_TOL <= got <= high + QUANTILE_TOL
 
 
-def expected_names(layers: list[str], heads: int = lm.HEADS, prefix: str = PREFIX) -> set[str]:
-    """The scalar names of the naming contract for ``layers``."""
+def expected_names(
+    layers: list[str], heads: int = lm.HEADS, prefix: str = PREFIX, *, per_head: bool = False
+) -> set[str]:
+    """The scalar names of the naming contract for ``layers`` (``per_head``: with ``LogOptions(per_head=True)``)."""
     names = {f"{prefix}/mean"}
     for layer in layers:
         base = f"{prefix}/{layer}"
         names |= {f"{base}/mean", f"{base}/mean_seq", f"{base}/nats_mean"}
         names |= {f"{base}/{q}" for q in QUANTILES}
-        names |= {f"{prefix}_heads/{layer}/head_{h}/{s}" for h in range(heads) for s in ("mean", "q50")}
+        if per_head:
+            names |= {f"{prefix}_heads/{layer}/head_{h}/{s}" for h in range(heads) for s in ("mean", "q50")}
     return names
 
 
 def check_against_reference(scalars: dict[str, float], samples: dict[str, Samples], prefix: str = PREFIX) -> None:
-    """Every contract scalar of ``scalars`` equals the reference ``samples`` (mean 1e-4, quantiles one bin)."""
+    """Every contract scalar of ``scalars`` equals the reference ``samples`` (mean 1e-4, quantiles one bin).
+
+    Per-head values are checked, every one of them, when ``scalars`` holds any
+    (``LogOptions(per_head=True)``; off by default).
+    """
     problems = []
+    per_head = any(name.startswith(f"{prefix}_heads/") for name in scalars)
 
     def close(name: str, want: float) -> None:
         if not abs(scalars[name] - want) <= MEAN_TOL:
@@ -190,7 +198,7 @@ def check_against_reference(scalars: dict[str, float], samples: dict[str, Sample
         close(f"{base}/mean_seq", sum(pair_means) / len(pair_means))
         for name, q in QUANTILES.items():
             quantile(f"{base}/{name}", s.normalized, q)
-        for h in range(lm.HEADS):
+        for h in range(lm.HEADS) if per_head else ():
             values = s.normalized[s.head == h]
             close(f"{prefix}_heads/{layer}/head_{h}/mean", float(values.mean()))
             quantile(f"{prefix}_heads/{layer}/head_{h}/q50", values, 0.5)
@@ -280,7 +288,9 @@ def gpt_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             loggers.append(
                 WandbLogger(save_dir=str(root), offline=True, project="attn-monitor-tests", settings=wandb_settings())
             )
-        monitor = AttentionEntropyMonitor(batches=Batches(train_every_n_steps=TRAIN_EVERY))  # batches=2 by default
+        monitor = AttentionEntropyMonitor(  # batches=2 by default; per-head values on, to check them too
+            batches=Batches(train_every_n_steps=TRAIN_EVERY), log=LogOptions(per_head=True)
+        )
         recorder = lm.BatchRecorder(train_every=TRAIN_EVERY)
         trainer = make_trainer(root, loggers=loggers, callbacks=[monitor, recorder])
         try:
@@ -447,7 +457,7 @@ def test_validation_steps_are_global_step_at_each_validation_end(gpt_run: Run) -
 def test_tensorboard_scalar_names_and_steps(gpt_run: Run) -> None:
     accumulator = read_tensorboard(gpt_run.tensorboard_dir)
     tags = {t for t in accumulator.Tags()["scalars"] if in_family(t)}
-    assert tags == expected_names(lm.GPT_LAYERS)
+    assert tags == expected_names(lm.GPT_LAYERS, per_head=True)
     steps = [logged_step(v) for v in gpt_run.recorder.validations]
     assert [e.step for e in accumulator.Scalars("val_loss")] == steps  # the module's own metric
     for tag in tags:
@@ -508,7 +518,7 @@ def test_train_every_n_steps_values_match_reference(gpt_run: Run) -> None:
     """The k-th logged ``attn_entropy_train`` entry is the batch recorded at the k-th multiple of n."""
     accumulator = read_tensorboard(gpt_run.tensorboard_dir)
     tags = {t for t in accumulator.Tags()["scalars"] if in_family(t, TRAIN_PREFIX)}
-    assert tags == expected_names(lm.GPT_LAYERS, prefix=TRAIN_PREFIX)
+    assert tags == expected_names(lm.GPT_LAYERS, prefix=TRAIN_PREFIX, per_head=True)
     histograms = {t for t in accumulator.Tags()["histograms"] if t.startswith(TRAIN_PREFIX + "/")}
     assert histograms == {f"{TRAIN_PREFIX}/{layer}/hist" for layer in lm.GPT_LAYERS}
     assert [t["step"] for t in gpt_run.recorder.train] == [0, 3, 6]
@@ -525,7 +535,7 @@ def test_train_every_n_steps_logging_steps(gpt_run: Run) -> None:
     entropy_steps = [int(r["step"]) for r in rows if r.get(f"{TRAIN_PREFIX}/mean")]
     assert entropy_steps == [t["step"] for t in gpt_run.recorder.train] == [0, 3, 6]
     accumulator = read_tensorboard(gpt_run.tensorboard_dir)
-    for tag in expected_names(lm.GPT_LAYERS, prefix=TRAIN_PREFIX):
+    for tag in expected_names(lm.GPT_LAYERS, prefix=TRAIN_PREFIX, per_head=True):
         assert [e.step for e in accumulator.Scalars(tag)] == [0, 3, 6], tag
 
 
@@ -534,13 +544,13 @@ def test_train_every_n_steps_logging_steps(gpt_run: Run) -> None:
 
 def test_csv_logger_gets_the_scalars(gpt_run: Run) -> None:
     columns, rows = read_csv(gpt_run.csv_path)
-    assert expected_names(lm.GPT_LAYERS) <= set(columns)
+    assert expected_names(lm.GPT_LAYERS, per_head=True) <= set(columns)
     assert not any(c.endswith("/hist") or c.endswith("/heatmap") for c in columns)
     accumulator = read_tensorboard(gpt_run.tensorboard_dir)
     for validation, samples in zip(gpt_run.recorder.validations, gpt_run.references, strict=True):
         matching = [r for r in rows if r.get(f"{PREFIX}/mean") and int(r["step"]) == logged_step(validation)]
         assert len(matching) == 1
-        scalars = {name: float(matching[0][name]) for name in expected_names(lm.GPT_LAYERS)}
+        scalars = {name: float(matching[0][name]) for name in expected_names(lm.GPT_LAYERS, per_head=True)}
         check_against_reference(scalars, samples)
         tensorboard = tb_scalars_at(accumulator, logged_step(validation))
         assert scalars == pytest.approx(tensorboard, rel=1e-6, abs=1e-7)  # TB stores float32
@@ -558,7 +568,7 @@ def test_wandb_offline_run_history(gpt_run: Run) -> None:
     assert gpt_run.wandb_file is not None, f"no .wandb file under {gpt_run.root}"
     rows = read_wandb_history(gpt_run.wandb_file)
     steps = [logged_step(v) for v in gpt_run.recorder.validations]
-    scalar_names = expected_names(lm.GPT_LAYERS)
+    scalar_names = expected_names(lm.GPT_LAYERS, per_head=True)
     hist_names = {f"{PREFIX}/{layer}/hist" for layer in lm.GPT_LAYERS}
 
     # Every entropy row carries Lightning's step axis, and it is the global step of a validation run.
@@ -574,10 +584,9 @@ def test_wandb_offline_run_history(gpt_run: Run) -> None:
             assert not (set(row) & set(merged)) - {"trainer/global_step", "_step", "_runtime", "_timestamp"}
             merged.update(row)
         names = {k for k in merged if in_family(k)}
-        history: set[str] = set()  # the heads over training: written once, when training ends
-        if validation is gpt_run.recorder.validations[-1]:
-            history = {f"{PREFIX}_heads/{layer}/{view}" for layer in lm.GPT_LAYERS for view in HISTORY_VIEWS}
-        assert names == scalar_names | hist_names | {f"{PREFIX}/heatmap"} | history
+        # The heads over training and the digest: at every validation, so a live or crashed run has them.
+        history = {f"{PREFIX}_heads/{layer}/{view}" for layer in lm.GPT_LAYERS for view in HISTORY_VIEWS}
+        assert names == scalar_names | hist_names | {f"{PREFIX}/heatmap", f"{PREFIX}/digest"} | history
         check_against_reference({k: merged[k] for k in scalar_names}, samples)
         for layer in lm.GPT_LAYERS:
             histogram = merged[f"{PREFIX}/{layer}/hist"]
@@ -972,7 +981,7 @@ def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch:
     model = lm.TinyGPT(lr=0.0, seed=5)
     state = copy.deepcopy(model.state_dict())
 
-    monitor = AttentionEntropyMonitor(batches=2, log=LogOptions(heatmap=False), save_summaries=True)
+    monitor = AttentionEntropyMonitor(batches=2, log=LogOptions(heatmap=False, per_head=True), save_summaries=True)
     logger = CSVLogger(tmp_path, name="ddp")
     trainer = make_trainer(
         tmp_path,
@@ -989,7 +998,7 @@ def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch:
     logged = [r for r in rows if r.get(f"{PREFIX}/mean")]
     assert len(logged) == 1
     assert int(logged[0]["step"]) == 1  # 4 training items over 2 ranks: 2 steps, logged at the last one's
-    scalars = {name: float(logged[0][name]) for name in expected_names(lm.GPT_LAYERS)}
+    scalars = {name: float(logged[0][name]) for name in expected_names(lm.GPT_LAYERS, per_head=True)}
     union = gpt_reference(state, val[:4])
     check_against_reference(scalars, union)
     # The saved summary (trainer.log_dir is a collective: every rank must ask for it) is the union's too.
@@ -999,7 +1008,7 @@ def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch:
     for name in set(saved_scalars) & set(scalars):
         assert saved_scalars[name] == pytest.approx(scalars[name], abs=1e-6), name
     # Lightning hands rank 0's callback_metrics back: every per-layer statistic, as logged.
-    for name in expected_names(lm.GPT_LAYERS) - {n for n in scalars if n.startswith(f"{PREFIX}_heads")}:
+    for name in expected_names(lm.GPT_LAYERS):
         assert float(trainer.callback_metrics[name]) == pytest.approx(scalars[name], abs=1e-6), name
     # Lightning's sync_dist advice: still given for the module's own val_loss, never for the monitor's means.
     advice = (tmp_path / "warnings_rank0.txt").read_text().splitlines()
@@ -1017,7 +1026,7 @@ def test_ddp_two_processes_equal_reference_on_union(tmp_path: Path, monkeypatch:
     single = make_trainer(
         tmp_path,
         loggers=[single_logger],
-        callbacks=[AttentionEntropyMonitor(batches=4, log=LogOptions(heatmap=False))],
+        callbacks=[AttentionEntropyMonitor(batches=4, log=LogOptions(heatmap=False, per_head=True))],
         max_epochs=1,
     )
     single_model = lm.TinyGPT(lr=0.0, seed=5)
@@ -1334,7 +1343,7 @@ def test_resumed_run_draws_the_same_history_as_an_uninterrupted_one(tmp_path: Pa
         rows = read_wandb_history(wandb_file)
         charts[name] = {}
         for layer in lm.GPT_LAYERS:
-            (row,) = [r for r in rows if f"{PREFIX}_heads/{layer}/chart_table" in r]
+            row = [r for r in rows if f"{PREFIX}_heads/{layer}/chart_table" in r][-1]  # the last holds all steps
             path = Path(wandb_file).parent / "files" / row[f"{PREFIX}_heads/{layer}/chart_table"]["path"]
             charts[name][layer] = json.loads(path.read_text())["data"]
     whole_recorder = runs["whole"][1]

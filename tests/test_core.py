@@ -59,7 +59,7 @@ def test_plain_loop_logs_reference_values_to_plain_sinks(tmp_path: Path) -> None
     hooks = _hooks(model)
     val = lm.make_batches(3, seed=21)
     scalars, writer = Scalars(), SummaryWriter(str(tmp_path / "tb"))
-    core = MonitorCore(batches=Batches(2, train_every_n_steps=5))
+    core = MonitorCore(batches=Batches(2, train_every_n_steps=5), log=LogOptions(per_head=True))
     core.attach(model, [scalars, writer, SummaryArchive(str(tmp_path / "saved"))])
     samples = gpt_reference(model.state_dict(), val[:2])
     for epoch, step in ((0, 9), (1, 19)):

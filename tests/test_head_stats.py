@@ -451,7 +451,7 @@ def test_fit_logs_statistics_to_tensorboard_per_dataloader(tmp_path: Path) -> No
     logger = TensorBoardLogger(tmp_path, name="tb")
     monitor = AttentionEntropyMonitor(
         statistics=Statistics(max_logit=True, distance=True),
-        log=LogOptions(histogram_bins=None),
+        log=LogOptions(histogram_bins=None, per_head=True),  # each head's max logit is checked
         alerts=[OverloadAlert(0.0), MaxLogitAlert(0.0)],
     )
     recorder = lm.BatchRecorder()
@@ -604,7 +604,7 @@ def test_fit_logs_the_clip_dry_run_to_tensorboard_and_the_summary(tmp_path: Path
     monitor = AttentionEntropyMonitor(
         batches=2,
         statistics=Statistics(max_logit=True, clip_threshold=tau),
-        log=LogOptions(histogram_bins=None, heatmap=False),
+        log=LogOptions(histogram_bins=None, heatmap=False, per_head=True),
     )
     trainer = make_trainer(tmp_path, loggers=[logger], callbacks=[monitor], max_epochs=1, limit_train_batches=1)
     trainer.fit(model, lm.loader(lm.make_batches(1, seed=1)), lm.loader(batches))

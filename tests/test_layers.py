@@ -35,7 +35,7 @@ LAYERS = {
         ),
         3,
     ),
-    **dict.fromkeys(("loggers", "figures", "alerts", "comparison"), 4),
+    **dict.fromkeys(("loggers", "figures", "alerts", "comparison", "display", "digest"), 4),
     **dict.fromkeys(("schedule", "recording", "core", "callback"), 5),
     **dict.fromkeys(("__init__", "__main__"), 6),
 }

@@ -285,7 +285,9 @@ def _lightning_worker(rank: int, port: int, out_dir: str) -> None:
     for name, (data_parallel, tensor_parallel) in LIGHTNING_RUNS.items():
         # Each data-parallel rank gets its share of the 2 validation items; the union is all of them.
         monitor = AttentionEntropyMonitor(
-            batches=2 // data_parallel, statistics=Statistics(max_logit=True), log=LogOptions(heatmap=False)
+            batches=2 // data_parallel,
+            statistics=Statistics(max_logit=True),
+            log=LogOptions(heatmap=False, per_head=True),  # every head is checked against the reference
         )
         trainer = Trainer(
             accelerator="cpu",
