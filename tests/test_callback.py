@@ -36,6 +36,7 @@ import os
 import random
 import socket
 import struct
+import time
 import warnings
 import zlib
 from collections.abc import Callable
@@ -426,12 +427,26 @@ def read_wandb_records(path: str) -> list[Any]:
     return records
 
 
+def finished_wandb_records(path: str, timeout: float = 30.0) -> list[Any]:
+    """The records of a finished run: W&B's service may still be writing the file when ``finish()`` returns.
+
+    Read again until the run's ``exit`` record is there, so that the last
+    history rows are not missed.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        records = read_wandb_records(path)
+        if any(record.WhichOneof("record_type") == "exit" for record in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
 def read_wandb_history(path: str) -> list[dict[str, Any]]:
     """History rows of a W&B run file: name -> JSON-decoded value; nested keys (histograms, images) as dicts."""
     import json
 
     rows = []
-    for record in read_wandb_records(path):
+    for record in finished_wandb_records(path):
         if record.WhichOneof("record_type") != "history":
             continue
         row: dict[str, Any] = {}
