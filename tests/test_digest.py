@@ -247,6 +247,7 @@ def test_wandb_table_reads_back(tmp_path: Path, run: tuple[Validation, Validatio
     with wandb.init(project="digest", dir=str(tmp_path), mode="offline", settings=wandb_settings()) as experiment:
         dashboards.log([WandbSink(experiment)], first.summary, 400)
         dashboards.log([WandbSink(experiment)], now.summary, 900)
+        experiment.log({"end": 0.0}, step=1000)  # step 900's row is complete once a later step starts
     (run_file,) = glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*", "run-*.wandb"))
     rows = read_wandb_history(run_file)
     found = [row for row in rows if row.get("_step") == 900 and "attn_entropy/digest" in row]
