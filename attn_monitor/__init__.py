@@ -3,7 +3,8 @@
 Every public name loads on first use (PEP 562), so ``import attn_monitor``
 costs nothing and never imports torch, Lightning, matplotlib, wandb or
 transformers; ``from attn_monitor import AttentionEntropyMonitor`` loads the
-Lightning callback, ``from attn_monitor import entropy_from_qk`` only torch.
+Lightning callback, ``from attn_monitor import AttentionEntropyCallback`` the
+Hugging Face Trainer's, ``from attn_monitor import entropy_from_qk`` only torch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
         normalize_entropy,
     )
     from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate, distance_from_probs
+    from attn_monitor.hf_trainer import AttentionEntropyCallback
     from attn_monitor.loggers import LogOptions
     from attn_monitor.masks import Support
     from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
@@ -47,6 +49,7 @@ __all__ = [
     "AttentionCall",
     "AttentionCapture",
     "AttentionEntropy",
+    "AttentionEntropyCallback",
     "AttentionEntropyMonitor",
     "AttentionMass",
     "AttentionStatistics",
@@ -90,6 +93,7 @@ __all__ = [
 #: Public name -> the module that defines it.
 _HOMES = {
     "AttentionEntropyMonitor": "callback",
+    "AttentionEntropyCallback": "hf_trainer",
     **dict.fromkeys(("CollapseAlert", "MaxLogitAlert", "OverloadAlert", "TrendAlert"), "alerts"),
     "Batches": "schedule",
     "LogOptions": "loggers",

@@ -36,7 +36,7 @@ LAYERS = {
         3,
     ),
     **dict.fromkeys(("loggers", "figures", "alerts", "comparison", "display", "digest"), 4),
-    **dict.fromkeys(("schedule", "recording", "core", "callback"), 5),
+    **dict.fromkeys(("schedule", "recording", "core", "callback", "hf_trainer"), 5),
     **dict.fromkeys(("__init__", "__main__"), 6),
 }
 
@@ -44,7 +44,7 @@ LAYERS = {
 FRAMEWORK_IMPORTS = {
     "lightning": {"callback"},
     "pytorch_lightning": set(),
-    "transformers": set(),
+    "transformers": {"hf_trainer"},
 }
 
 

@@ -1,0 +1,185 @@
+"""AttentionEntropyCallback in a real ``transformers.Trainer.train()``, read back from the Trainer's event directory.
+
+A tiny GPT-2 (sdpa, the spread initialisation of tests/models.py) trains 4
+steps at learning rate 0 (the weights stay as built), evaluating every 2
+steps on 3 batches; the callback records the first 2 of each evaluation.
+Every scalar, histogram and the heatmap is read back with TensorBoard's own
+reader from the directory the Trainer's ``TensorBoardCallback`` writes, and
+checked against the float64 eager reference of test_callback (an eager twin's
+``output_attentions`` over the documented causal and padding masks).
+
+Broken variants these tests caught (each tried, then restored): logging at
+``state.global_step - 1`` (steps differ from ``eval/loss``); counting batch
+indices across evaluations (the second evaluation records nothing and its
+step is missing); recording every forward pass in eval mode without the
+batch schedule (3 batches: the reference of 2 does not match).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from attn_monitor import LogOptions
+from tests import lightning_models as lm
+from tests import models
+from tests.test_callback import (
+    PREFIX,
+    Samples,
+    check_against_reference,
+    check_histogram,
+    expected_names,
+    hf_reference,
+    tb_scalars_at,
+)
+from tests.test_names import per_head_names
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS = ["transformer.h.0.attn", "transformer.h.1.attn"]
+EVAL_BATCHES = lm.make_batches(3, seed=4)
+STEPS = [2, 4]  # eval_steps=2, max_steps=4
+
+
+def _examples(batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    """One example per row: ids, mask, and labels with the padding left out of the loss."""
+    out = []
+    for batch in batches:
+        for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True):
+            out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def _reference(model: torch.nn.Module) -> dict[str, Samples]:
+    """The float64 eager reference over the first two evaluation batches, named as the Trainer's model names them."""
+    samples = hf_reference(model.state_dict(), EVAL_BATCHES[:2])
+    return {name.removeprefix("model."): value for name, value in samples.items()}
+
+
+def _event_directory(output_dir: Path) -> str:
+    runs = glob.glob(str(output_dir / "runs" / "*"))
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def _read(directory: str) -> Any:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(directory, size_guidance={"scalars": 0, "histograms": 0, "images": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+class _Metrics(transformers.TrainerCallback):  # type: ignore[misc]
+    """Keeps a copy of every evaluation's ``metrics`` as the callbacks after the monitor see them."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, float]] = []
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, float], **kwargs: Any) -> None:
+        self.seen.append(dict(metrics))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from attn_monitor import AttentionEntropyCallback
+
+    output_dir = tmp_path_factory.mktemp("hf_trainer")
+    model = models.hf_model("gpt2", "sdpa").train()
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir),
+        eval_strategy="steps",
+        eval_steps=2,
+        max_steps=4,
+        learning_rate=0.0,
+        per_device_train_batch_size=lm.BATCH,
+        per_device_eval_batch_size=lm.BATCH,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=["tensorboard"],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    callback = AttentionEntropyCallback(log=LogOptions(per_head=True))
+    metrics = _Metrics()
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=_examples(lm.make_batches(4, seed=3)),
+        eval_dataset=_examples(EVAL_BATCHES),
+        callbacks=[callback, metrics],
+    )
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    trainer.train()
+    after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    directory = _event_directory(output_dir)
+    return {
+        "trainer": trainer,
+        "callback": callback,
+        "events": _read(directory),
+        "reference": _reference(model),
+        "hooks": (hooks, after),
+        "metrics": metrics.seen,
+    }
+
+
+def test_reference_is_spread(run: dict[str, Any]) -> None:
+    for samples in run["reference"].values():
+        assert 0.2 < float(samples.normalized.mean()) < 0.9
+        assert float(samples.normalized.std()) > 0.05
+
+
+def test_scalars_at_the_steps_of_eval_loss(run: dict[str, Any]) -> None:
+    events = run["events"]
+    assert [e.step for e in events.Scalars("eval/loss")] == STEPS
+    tags = {tag for tag in events.Tags()["scalars"] if tag.startswith(PREFIX)}
+    assert tags == expected_names(LAYERS, per_head=True)
+    assert {tag for tag in tags if "/head_" in tag} == per_head_names(LAYERS, lm.HEADS)
+    for tag in tags:
+        assert [e.step for e in events.Scalars(tag)] == STEPS, tag
+
+
+def test_values_equal_the_float64_reference(run: dict[str, Any]) -> None:
+    for step in STEPS:
+        check_against_reference(tb_scalars_at(run["events"], step), run["reference"])
+
+
+def test_histograms_and_heatmap_in_the_trainers_event_directory(run: dict[str, Any]) -> None:
+    events = run["events"]
+    for layer in LAYERS:
+        histograms = events.Histograms(f"{PREFIX}/{layer}/hist")
+        assert [e.step for e in histograms] == STEPS
+        for event in histograms:
+            check_histogram(list(event.histogram_value.bucket), run["reference"][layer].normalized)
+    images = events.Images(f"{PREFIX}/heatmap")
+    assert [e.step for e in images] == STEPS
+    assert all(e.encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n" for e in images)
+
+
+def test_evaluation_metrics_hold_the_per_layer_statistics_and_hooks_are_removed(run: dict[str, Any]) -> None:
+    """``metric_for_best_model="attn_entropy/mean"`` reads ``metrics["eval_attn_entropy/mean"]``."""
+    assert len(run["metrics"]) == len(STEPS)
+    for step, metrics in zip(STEPS, run["metrics"], strict=True):
+        scalars = tb_scalars_at(run["events"], step)
+        per_layer = {name: value for name, value in scalars.items() if "_heads/" not in name}
+        assert {name.removeprefix("eval_"): v for name, v in metrics.items() if PREFIX in name} == pytest.approx(
+            per_layer, rel=1e-6
+        )
+    before, after = run["hooks"]
+    assert before == after
+
+
+def test_callback_import_is_lazy() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, attn_monitor; attn_monitor.AttentionEntropyCallback; print('lightning' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False"
