@@ -12,7 +12,10 @@ Broken variants these tests caught (each tried, then restored): logging at
 ``state.global_step - 1`` (steps differ from ``eval/loss``); counting batch
 indices across evaluations (the second evaluation records nothing and its
 step is missing); recording every forward pass in eval mode without the
-batch schedule (3 batches: the reference of 2 does not match).
+batch schedule (3 batches: the reference of 2 does not match); the W&B
+values written at ``train/global_step`` one less than the step (leaving the
+step out is not caught: ``WandbCallback``'s ``define_metric(step_sync=True)``
+fills in the step it logged last, the evaluation's).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from tests.test_callback import (
     check_histogram,
     expected_names,
     hf_reference,
+    read_wandb_history,
     tb_scalars_at,
 )
 from tests.test_names import per_head_names
@@ -91,6 +95,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from attn_monitor import AttentionEntropyCallback
 
     output_dir = tmp_path_factory.mktemp("hf_trainer")
+    wandb = pytest.importorskip("wandb")
     model = models.hf_model("gpt2", "sdpa").train()
     args = transformers.TrainingArguments(
         output_dir=str(output_dir),
@@ -102,7 +107,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         per_device_eval_batch_size=lm.BATCH,
         logging_steps=1,
         save_strategy="no",
-        report_to=["tensorboard"],
+        report_to=["tensorboard", "wandb"],
         use_cpu=True,
         disable_tqdm=True,
     )
@@ -116,7 +121,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         callbacks=[callback, metrics],
     )
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    trainer.train()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(output_dir), "WANDB_SILENT": "true"}.items():
+            patch.setenv(name, value)
+        patch.setenv("WANDB_CONSOLE", "off")
+        try:
+            trainer.train()
+        finally:
+            wandb.finish()
     after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     directory = _event_directory(output_dir)
     return {
@@ -126,6 +138,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "reference": _reference(model),
         "hooks": (hooks, after),
         "metrics": metrics.seen,
+        "wandb_files": glob.glob(str(output_dir / "wandb" / "*run-*" / "run-*.wandb")),
     }
 
 
@@ -183,3 +196,18 @@ def test_callback_import_is_lazy() -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_wandb_gets_everything_in_the_trainers_run_on_its_step_axis(run: dict[str, Any]) -> None:
+    """One W&B run (the one WandbCallback opened) holds ``eval/loss`` and every monitor value, at its steps."""
+    assert len(run["wandb_files"]) == 1, run["wandb_files"]
+    rows = read_wandb_history(run["wandb_files"][0])
+    assert sorted(row["train/global_step"] for row in rows if "eval/loss" in row) == STEPS
+    names = expected_names(LAYERS, per_head=True)
+    entropy = [row for row in rows if f"{PREFIX}/mean" in row]
+    assert [row["train/global_step"] for row in entropy] == STEPS
+    for row in entropy:
+        check_against_reference({name: row[name] for name in names}, run["reference"])
+        for layer in LAYERS:
+            check_histogram(row[f"{PREFIX}/{layer}/hist"]["values"], run["reference"][layer].normalized)
+        assert row[f"{PREFIX}/heatmap"]["_type"] == "image-file"
