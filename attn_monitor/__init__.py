@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from attn_monitor.core import MonitorCore
     from attn_monitor.diagnostics import MassDiagnostics
     from attn_monitor.eager import probabilities_at
+    from attn_monitor.fabric import fabric_sinks
     from attn_monitor.functional import (
         KeyShardStatistics,
         attention_distance,
@@ -80,6 +81,7 @@ __all__ = [
     "entropy_from_logits",
     "entropy_from_qk",
     "evaluate_attention",
+    "fabric_sinks",
     "histogram_quantile",
     "key_shard_statistics",
     "load_summary",
@@ -103,6 +105,7 @@ _HOMES = {
     "AttentionCall": "calls",
     **dict.fromkeys(("AttentionCapture", "evaluate_attention"), "capture"),
     "probabilities_at": "eager",
+    "fabric_sinks": "fabric",
     **dict.fromkeys(("Comparison", "compare", "load_summary", "save_summary"), "comparison"),
     "MassDiagnostics": "diagnostics",
     **dict.fromkeys(
