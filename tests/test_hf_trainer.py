@@ -128,6 +128,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         patch.setenv("WANDB_CONSOLE", "off")
         try:
             trainer.train()
+            run_dir = Path(wandb.run.dir).parent  # where this process's W&B settings put the run
         finally:
             wandb.finish()
     after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
@@ -139,7 +140,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "reference": _reference(model),
         "hooks": (hooks, after),
         "metrics": metrics.seen,
-        "wandb_files": glob.glob(str(output_dir / "wandb" / "*run-*" / "run-*.wandb")),
+        "wandb_files": glob.glob(str(run_dir / "run-*.wandb")),
     }
 
 
