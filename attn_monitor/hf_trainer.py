@@ -19,7 +19,10 @@ callback finds what it needs in what it is handed:
   user callback's ``on_train_begin``); TensorBoard shows the event files of
   one directory as one run. W&B, when ``report_to`` holds it, gets the run
   ``WandbCallback`` opened, on its ``train/global_step`` axis.
-* the step: ``state.global_step``, the step of the Trainer's ``eval_loss``.
+* the step: ``state.global_step``, the step of the Trainer's ``eval_loss``;
+  a training step's record (``Batches(train_every_n_steps=n)``: the first
+  forward pass in train mode after ``on_step_begin``) is written at
+  ``on_step_end``, the step of that step's ``loss``.
 
 At ``on_evaluate`` every process summarises (a collective) and the world
 process zero writes; every overall and per-layer statistic is also put into
@@ -103,6 +106,7 @@ class AttentionEntropyCallback(TrainerCallback):
         self._writers: list[Any] = []  # the SummaryWriters this callback opened
         self._evaluations = 0
         self._next_batch: itertools.count[int] | None = None  # batch indices of the running evaluation
+        self._step: int | None = None  # the optimizer step whose first forward pass is still to come
 
     def _warn(self, message: str, stacklevel: int = 2) -> None:
         if self._zero:
@@ -143,6 +147,9 @@ class AttentionEntropyCallback(TrainerCallback):
     # -- evaluation ----------------------------------------------------------
     def _forward_start(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if module.training:
+            if self._step is not None:  # the first micro-batch of the step: recorded if the schedule asks
+                self.core.training_step_start(self._step, kwargs)
+                self._step = None
             return
         if self._next_batch is None:  # the first forward pass of an evaluation
             self.core.validation_start(epoch=self._evaluations)
@@ -150,7 +157,18 @@ class AttentionEntropyCallback(TrainerCallback):
         self._batch.enter_context(self.core.recording(next(self._next_batch), kwargs))
 
     def _forward_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if module.training:
+            self.core.training_forward_end()  # before backward: gradient checkpointing reruns forwards
         self._batch.close()
+
+    # -- training ----------------------------------------------------------
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._step = state.global_step
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self.core.training_step_end(state.global_step)  # the step the Trainer logs this step's loss at
 
     def on_evaluate(
         self,

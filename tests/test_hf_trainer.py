@@ -15,7 +15,8 @@ step is missing); recording every forward pass in eval mode without the
 batch schedule (3 batches: the reference of 2 does not match); the W&B
 values written at ``train/global_step`` one less than the step (leaving the
 step out is not caught: ``WandbCallback``'s ``define_metric(step_sync=True)``
-fills in the step it logged last, the evaluation's).
+fills in the step it logged last, the evaluation's); a training record
+written at the step before the Trainer's ``train/loss`` of that step.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from attn_monitor import LogOptions
+from attn_monitor import Batches, LogOptions
 from tests import lightning_models as lm
 from tests import models
 from tests.test_callback import (
@@ -40,6 +41,7 @@ from tests.test_callback import (
     check_histogram,
     expected_names,
     hf_reference,
+    in_family,
     read_wandb_history,
     tb_scalars_at,
 )
@@ -112,7 +114,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         use_cpu=True,
         disable_tqdm=True,
     )
-    callback = AttentionEntropyCallback(log=LogOptions(per_head=True))
+    callback = AttentionEntropyCallback(batches=Batches(2, train_every_n_steps=2), log=LogOptions(per_head=True))
     metrics = _Metrics()
     trainer = transformers.Trainer(
         model=model,
@@ -122,6 +124,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         callbacks=[callback, metrics],
     )
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    training_inputs: list[dict[str, Tensor]] = []  # every training forward pass's inputs, in order
+
+    def keep(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if module.training:
+            training_inputs.append({name: kwargs[name] for name in ("input_ids", "attention_mask")})
+
+    handle = model.register_forward_pre_hook(keep, with_kwargs=True)
     with pytest.MonkeyPatch.context() as patch:
         for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(output_dir), "WANDB_SILENT": "true"}.items():
             patch.setenv(name, value)
@@ -131,6 +140,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             run_dir = Path(wandb.run.dir).parent  # where this process's W&B settings put the run
         finally:
             wandb.finish()
+    handle.remove()
     after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     directory = _event_directory(output_dir)
     return {
@@ -140,6 +150,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "reference": _reference(model),
         "hooks": (hooks, after),
         "metrics": metrics.seen,
+        "training_inputs": training_inputs,
         "wandb_files": glob.glob(str(run_dir / "run-*.wandb")),
     }
 
@@ -151,7 +162,7 @@ def test_reference_is_spread(run: dict[str, Any]) -> None:
 def test_scalars_at_the_steps_of_eval_loss(run: dict[str, Any]) -> None:
     events = run["events"]
     assert [e.step for e in events.Scalars("eval/loss")] == STEPS
-    tags = {tag for tag in events.Tags()["scalars"] if tag.startswith(PREFIX)}
+    tags = {tag for tag in events.Tags()["scalars"] if in_family(tag)}
     assert tags == expected_names(LAYERS, per_head=True)
     assert {tag for tag in tags if "/head_" in tag} == per_head_names(LAYERS, lm.HEADS)
     for tag in tags:
@@ -211,3 +222,17 @@ def test_wandb_gets_everything_in_the_trainers_run_on_its_step_axis(run: dict[st
         for layer in LAYERS:
             check_histogram(row[f"{PREFIX}/{layer}/hist"]["values"], run["reference"][layer].normalized)
         assert row[f"{PREFIX}/heatmap"]["_type"] == "image-file"
+
+
+def test_training_steps_are_recorded_where_asked(run: dict[str, Any]) -> None:
+    """``train_every_n_steps=2``: steps 0 and 2 (the first micro-batch each), at the step their loss is logged."""
+    events, inputs = run["events"], run["training_inputs"]
+    assert len(inputs) == 4
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    assert [e.step for e in events.Scalars(f"{PREFIX}_train/mean")] == [1, 3]
+    state = run["trainer"].model.state_dict()
+    for step, batch in ((1, inputs[0]), (3, inputs[2])):
+        samples = {name.removeprefix("model."): s for name, s in hf_reference(state, [batch]).items()}
+        check_against_reference(
+            tb_scalars_at(events, step, prefix=f"{PREFIX}_train"), samples, prefix=f"{PREFIX}_train"
+        )
