@@ -16,7 +16,8 @@ batch schedule (3 batches: the reference of 2 does not match); the W&B
 values written at ``train/global_step`` one less than the step (leaving the
 step out is not caught: ``WandbCallback``'s ``define_metric(step_sync=True)``
 fills in the step it logged last, the evaluation's); a training record
-written at the step before the Trainer's ``train/loss`` of that step.
+written at the step before the Trainer's ``train/loss`` of that step; a
+stopping alert that does not set ``control.should_training_stop``.
 """
 
 from __future__ import annotations
@@ -93,13 +94,8 @@ class _Metrics(transformers.TrainerCallback):  # type: ignore[misc]
         self.seen.append(dict(metrics))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from attn_monitor import AttentionEntropyCallback
-
-    output_dir = tmp_path_factory.mktemp("hf_trainer")
-    wandb = pytest.importorskip("wandb")
-    model = models.hf_model("gpt2", "sdpa").train()
+def _trainer(output_dir: Path, callbacks: list[Any], report_to: list[str]) -> Any:
+    """4 steps at learning rate 0 of the tiny GPT-2, an evaluation (3 batches) every 2 steps."""
     args = transformers.TrainingArguments(
         output_dir=str(output_dir),
         eval_strategy="steps",
@@ -110,19 +106,29 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         per_device_eval_batch_size=lm.BATCH,
         logging_steps=1,
         save_strategy="no",
-        report_to=["tensorboard", "wandb"],
+        report_to=report_to,
         use_cpu=True,
         disable_tqdm=True,
     )
-    callback = AttentionEntropyCallback(batches=Batches(2, train_every_n_steps=2), log=LogOptions(per_head=True))
-    metrics = _Metrics()
-    trainer = transformers.Trainer(
-        model=model,
+    return transformers.Trainer(
+        model=models.hf_model("gpt2", "sdpa").train(),
         args=args,
         train_dataset=_examples(lm.make_batches(4, seed=3)),
         eval_dataset=_examples(EVAL_BATCHES),
-        callbacks=[callback, metrics],
+        callbacks=callbacks,
     )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from attn_monitor import AttentionEntropyCallback
+
+    output_dir = tmp_path_factory.mktemp("hf_trainer")
+    wandb = pytest.importorskip("wandb")
+    callback = AttentionEntropyCallback(batches=Batches(2, train_every_n_steps=2), log=LogOptions(per_head=True))
+    metrics = _Metrics()
+    trainer = _trainer(output_dir, [callback, metrics], report_to=["tensorboard", "wandb"])
+    model = trainer.model
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     training_inputs: list[dict[str, Tensor]] = []  # every training forward pass's inputs, in order
 
@@ -236,3 +242,14 @@ def test_training_steps_are_recorded_where_asked(run: dict[str, Any]) -> None:
         check_against_reference(
             tb_scalars_at(events, step, prefix=f"{PREFIX}_train"), samples, prefix=f"{PREFIX}_train"
         )
+
+
+def test_a_stopping_alert_stops_training_after_the_evaluation(tmp_path: Path) -> None:
+    """``CollapseAlert(1.0, stop=True)`` flags every head at the first evaluation: training ends at step 2 of 4."""
+    from attn_monitor import AttentionEntropyCallback, CollapseAlert
+
+    callback = AttentionEntropyCallback(alerts=[CollapseAlert(1.0, stop=True)])
+    trainer = _trainer(tmp_path, [callback], report_to=[])
+    with pytest.warns(UserWarning, match="collapse"):
+        trainer.train()
+    assert trainer.state.global_step == 2
