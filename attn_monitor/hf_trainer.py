@@ -61,7 +61,8 @@ class AttentionEntropyCallback(TrainerCallback):
     Args:
         batches: which evaluation batches and evaluations to record: an int
             ``n`` (the first ``n``), batch indices, or a :class:`~attn_monitor.schedule.Batches`
-            (``every_n_epochs`` counts evaluations).
+            (``every_n_epochs`` counts evaluations; ``train_every_n_steps``: a training
+            step's record, logged under ``{prefix}_train``).
         statistics: what is measured beside entropy (:class:`~attn_monitor.recording.Statistics`).
         log: what is logged (:class:`~attn_monitor.loggers.LogOptions`).
         alerts: :class:`~attn_monitor.alerts.CollapseAlert` (``stop=True`` stops training) and the
