@@ -3,7 +3,8 @@
 Every public name loads on first use (PEP 562), so ``import attn_monitor``
 costs nothing and never imports torch, Lightning, matplotlib, wandb or
 transformers; ``from attn_monitor import AttentionEntropyMonitor`` loads the
-Lightning callback, ``from attn_monitor import entropy_from_qk`` only torch.
+Lightning callback, ``from attn_monitor import AttentionEntropyCallback`` the
+Hugging Face Trainer's, ``from attn_monitor import entropy_from_qk`` only torch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from attn_monitor.core import MonitorCore
     from attn_monitor.diagnostics import MassDiagnostics
     from attn_monitor.eager import probabilities_at
+    from attn_monitor.fabric import fabric_sinks
     from attn_monitor.functional import (
         KeyShardStatistics,
         attention_distance,
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
         normalize_entropy,
     )
     from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate, distance_from_probs
+    from attn_monitor.hf_trainer import AttentionEntropyCallback
     from attn_monitor.loggers import LogOptions
     from attn_monitor.masks import Support
     from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
@@ -47,6 +50,7 @@ __all__ = [
     "AttentionCall",
     "AttentionCapture",
     "AttentionEntropy",
+    "AttentionEntropyCallback",
     "AttentionEntropyMonitor",
     "AttentionMass",
     "AttentionStatistics",
@@ -77,6 +81,7 @@ __all__ = [
     "entropy_from_logits",
     "entropy_from_qk",
     "evaluate_attention",
+    "fabric_sinks",
     "histogram_quantile",
     "key_shard_statistics",
     "load_summary",
@@ -90,6 +95,7 @@ __all__ = [
 #: Public name -> the module that defines it.
 _HOMES = {
     "AttentionEntropyMonitor": "callback",
+    "AttentionEntropyCallback": "hf_trainer",
     **dict.fromkeys(("CollapseAlert", "MaxLogitAlert", "OverloadAlert", "TrendAlert"), "alerts"),
     "Batches": "schedule",
     "LogOptions": "loggers",
@@ -99,6 +105,7 @@ _HOMES = {
     "AttentionCall": "calls",
     **dict.fromkeys(("AttentionCapture", "evaluate_attention"), "capture"),
     "probabilities_at": "eager",
+    "fabric_sinks": "fabric",
     **dict.fromkeys(("Comparison", "compare", "load_summary", "save_summary"), "comparison"),
     "MassDiagnostics": "diagnostics",
     **dict.fromkeys(

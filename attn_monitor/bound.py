@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from attn_monitor.metric import LayerMetric, check_is_sample, copy_statistics
+from attn_monitor.names import head_name
 
 __all__ = ["BOUND_FAMILY", "LogitBound", "LogitBoundSummary"]
 
@@ -77,7 +78,7 @@ class LogitBoundSummary:
                 out[f"{family}/{layer}/{end}"] = layer_values[end][index]
                 for head in range(self.num_heads[index]) if per_head else ():
                     if head_count[index][head] > 0:
-                        out[f"{family}_heads/{layer}/head_{head}/{end}"] = values[end][index][head]
+                        out[head_name(family, layer, head, end)] = values[end][index][head]
         return out
 
     def __repr__(self) -> str:

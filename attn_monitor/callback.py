@@ -23,14 +23,13 @@ import functools
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -40,13 +39,14 @@ from attn_monitor.calls import Adapter
 from attn_monitor.capture import AttentionCapture
 from attn_monitor.comparison import SummaryArchive
 from attn_monitor.core import MonitorCore
+from attn_monitor.fabric import lightning_sinks
 from attn_monitor.head_stats import StatisticsSummary
-from attn_monitor.loggers import LogOptions, WandbSink, per_layer
+from attn_monitor.loggers import LogOptions, per_layer
 from attn_monitor.metric import EntropySummary
 from attn_monitor.recording import BatchMask, Statistics
 from attn_monitor.schedule import Batches
 
-__all__ = ["AttentionEntropyMonitor", "lightning_log_step", "lightning_sinks", "logged_through_lightning"]
+__all__ = ["AttentionEntropyMonitor", "lightning_log_step", "logged_through_lightning"]
 
 
 class AttentionEntropyMonitor(Callback):
@@ -281,19 +281,6 @@ class AttentionEntropyMonitor(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.core.load_state_dict(state_dict)
-
-
-def lightning_sinks(loggers: Iterable[Any]) -> list[Any]:
-    """Lightning's loggers as sinks: TensorBoard's writer, W&B's run (on the logger's step axis), others as they are."""
-    sinks: list[Any] = []
-    for logger in loggers:
-        if isinstance(logger, TensorBoardLogger):
-            sinks.append(logger.experiment)
-        elif isinstance(logger, WandbLogger):
-            sinks.append(WandbSink(logger.experiment, logger.log_metrics))
-        else:
-            sinks.append(logger)
-    return sinks
 
 
 #: ``/dataloader_idx_{i}`` at the end of a name: several validation dataloaders.

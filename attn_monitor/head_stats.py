@@ -37,6 +37,7 @@ from attn_monitor.calls import AttentionCall
 from attn_monitor.consumers import without_nonfinite
 from attn_monitor.functional import attention_distance, attention_max_logit, restrict_to_support
 from attn_monitor.metric import LayerMetric, check_is_sample, copy_statistics, put_nonfinite
+from attn_monitor.names import head_name
 from attn_monitor.shared import WarnOnce
 
 __all__ = [
@@ -224,8 +225,7 @@ class StatisticsSummary:
                 if per_head:
                     for head in range(self.num_heads[index]):
                         if head_count[index][head] > 0:
-                            name = f"{prefix}_{family}_heads/{layer}/head_{head}/{statistic}"
-                            out[name] = head_values[index][head]
+                            out[head_name(f"{prefix}_{family}", layer, head, statistic)] = head_values[index][head]
         if clip_threshold is not None:
             self._put_clip(out, prefix, clip_threshold, per_head)
         return out
@@ -241,7 +241,7 @@ class StatisticsSummary:
             if per_head:
                 for head in range(self.num_heads[index]):
                     if head_count[index][head] > 0:
-                        out[f"{prefix}_qk_clip_heads/{layer}/head_{head}/factor"] = factors[index][head]
+                        out[head_name(f"{prefix}_qk_clip", layer, head, "factor")] = factors[index][head]
 
     def __repr__(self) -> str:
         return f"StatisticsSummary(layers={self.layers}, heads={self.num_heads})"

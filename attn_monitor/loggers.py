@@ -1,6 +1,6 @@
 """Sinks: scalars everywhere, charts, histograms and pictures where they can be shown.
 
-Scalar names follow one rule (:func:`group_heads`): per-layer statistics stay
+Scalar names follow one rule (:func:`~attn_monitor.names.head_name`): per-layer statistics stay
 in their family's group (``attn_entropy/{layer}/q50``), per-head values move
 to ``{family}_heads/{layer}/head_{h}/{stat}``, so the main group stays short
 however many heads a model has. A summary leaves the monitor by one route,
@@ -26,7 +26,6 @@ The pictures themselves are drawn in :mod:`attn_monitor.figures`.
 
 from __future__ import annotations
 
-import functools
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,8 +47,6 @@ __all__ = [
     "Dashboards",
     "LogOptions",
     "WandbSink",
-    "group_heads",
-    "head_group",
     "loss_names",
     "per_layer",
     "send_alert",
@@ -61,49 +58,8 @@ __all__ = [
 #: W&B keeps at most this many histogram bins and silently drops the rest.
 WANDB_MAX_BINS = 512
 
-#: ``{family}/{layer...}/head_{h}/{stat...}``: a per-head value of a statistic family.
-_PER_HEAD = re.compile(r"^(?P<family>[^/]+)/(?P<rest>(?:.+/)?head_\d+/.+)$")
-#: ``{family}_heads/{layer}/head_{h}/{stat}{suffix}``, as :func:`head_group` writes it.
+#: ``{family}_heads/{layer}/head_{h}/{stat}{suffix}``, as :func:`~attn_monitor.names.head_name` writes it.
 _GROUPED = re.compile(r"^(?P<family>[^/]+)_heads/(?P<layer>.+)/head_(?P<head>\d+)/(?P<stat>[^/]+)(?P<suffix>/.*)?$")
-
-
-@functools.lru_cache(maxsize=1 << 16)  # the same few thousand names at every validation
-def head_group(name: str) -> str:
-    """The name a scalar is logged under: per-head values go to their family's ``_heads`` group.
-
-    ``{family}/{layer}/head_{h}/{stat}`` becomes
-    ``{family}_heads/{layer}/head_{h}/{stat}``, for every family (entropy,
-    the mass diagnostics, any statistic with per-head values); names already
-    in a ``_heads`` group and names without a ``head_{h}`` component are
-    returned unchanged.
-
-    Example:
-        >>> head_group("attn_entropy/blocks.0.attn/head_3/q50")
-        'attn_entropy_heads/blocks.0.attn/head_3/q50'
-        >>> head_group("attn_entropy/blocks.0.attn/q50")
-        'attn_entropy/blocks.0.attn/q50'
-        >>> head_group("attn_max_logit_heads/blocks.0.attn/head_1/max")
-        'attn_max_logit_heads/blocks.0.attn/head_1/max'
-    """
-    match = _PER_HEAD.match(name)
-    if match is None or match["family"].endswith("_heads"):
-        return name
-    return f"{match['family']}_heads/{match['rest']}"
-
-
-def group_heads(scalars: Mapping[str, float]) -> dict[str, float]:
-    """``scalars`` renamed by :func:`head_group`, in the same order.
-
-    Raises:
-        ValueError: two names land on one (a family already logging under a ``_heads`` name twice).
-    """
-    out: dict[str, float] = {}
-    for name, value in scalars.items():
-        grouped = head_group(name)
-        if grouped in out:
-            raise ValueError(f"Two scalars would be logged as {grouped!r}; one of them is {name!r}.")
-        out[grouped] = value
-    return out
 
 
 def per_layer(name: str) -> bool:
@@ -127,8 +83,8 @@ def summary_scalars(
 ) -> dict[str, float]:
     """The scalar names and values logged for ``summary`` (the naming table in the README).
 
-    :meth:`EntropySummary.to_dict` and ``extra_scalars``, per-head values moved
-    by :func:`head_group`, ``suffix`` appended to every name.
+    :meth:`EntropySummary.to_dict` and ``extra_scalars`` (per-head values named by
+    :func:`~attn_monitor.names.head_name`), ``suffix`` appended to every name.
 
     Example:
         >>> import math, torch
@@ -145,7 +101,7 @@ def summary_scalars(
     """
     scalars = summary.to_dict(prefix, quantiles=quantiles, per_head=per_head)
     scalars.update(extra_scalars or {})
-    return {name + suffix: value for name, value in group_heads(scalars).items()}
+    return {name + suffix: value for name, value in scalars.items()}
 
 
 def _tensorboard_histograms(summary: EntropySummary, prefix: str, bins: int, suffix: str) -> list[Any]:

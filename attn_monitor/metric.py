@@ -27,6 +27,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from attn_monitor.functional import broadcasts_to, histogram_quantile, normalize_entropy
+from attn_monitor.names import head_name
 from attn_monitor.shared import check_int
 
 __all__ = ["AttentionEntropy", "AttentionMass", "EntropySummary", "LayerMetric", "MassSummary"]
@@ -515,8 +516,8 @@ class EntropySummary(_Summary):
 
         Per layer, heads pooled: ``{prefix}/{layer}/mean``, ``/mean_seq``,
         ``/q05`` ... ``/q95`` (two digits of the level; ``q50`` is the median)
-        and ``/nats_mean``; per head ``{prefix}/{layer}/head_{h}/mean`` and
-        ``/q50``; overall ``{prefix}/mean``. Layers and heads with no counted
+        and ``/nats_mean``; per head ``{prefix}_heads/{layer}/head_{h}/mean`` and
+        ``/q50`` (:func:`~attn_monitor.names.head_name`); overall ``{prefix}/mean``. Layers and heads with no counted
         query are left out rather than logged as NaN. ``{prefix}/{layer}/nonfinite``
         (heads pooled) counts queries left out for non-finite entropy, for
         layers that had any.
@@ -542,8 +543,8 @@ class EntropySummary(_Summary):
             if per_head:
                 for head in range(self.num_heads[index]):
                     if count[index][head] > 0:
-                        out[f"{base}/head_{head}/mean"] = head_mean[index][head]
-                        out[f"{base}/head_{head}/q50"] = head_median[index][head]
+                        out[head_name(prefix, layer, head, "mean")] = head_mean[index][head]
+                        out[head_name(prefix, layer, head, "q50")] = head_median[index][head]
         if sum(layer_count) > 0:
             out[f"{prefix}/mean"] = self.overall_mean
         return out
@@ -808,7 +809,8 @@ class MassSummary(_Summary):
         self, prefix: str = "attn", *, per_head: bool = False, sink_threshold: float | None = SINK_THRESHOLD
     ) -> dict[str, float]:
         """Scalars ``{prefix}_{diagnostic}/{layer}/mean``, ``/q50``, ``/q95``, ``/max_head_mean``
-        (and ``/head_{h}/mean`` with ``per_head``); keys with no counted query are left out.
+        (and ``{prefix}_{diagnostic}_heads/{layer}/head_{h}/mean`` with ``per_head``); keys with no
+        counted query are left out.
         ``/nonfinite`` counts queries left out for a NaN or infinite mass, where there were any.
         Sink-mass keys also give ``{prefix}_sink_mass/{layer}/sink_rate``, the share of heads whose
         mean sink mass exceeds ``sink_threshold`` (:meth:`head_share_above`; None: left out)."""
@@ -831,9 +833,10 @@ class MassSummary(_Summary):
             if rates is not None and key.startswith("sink_mass/"):
                 out[f"{base}/sink_rate"] = rates[index]
             if per_head:
+                diagnostic, layer = key.split("/", 1)
                 for head in range(self.num_heads[index]):
                     if count[index][head] > 0:
-                        out[f"{base}/head_{head}/mean"] = head_means[index][head]
+                        out[head_name(f"{prefix}_{diagnostic}", layer, head, "mean")] = head_means[index][head]
         return out
 
     def __repr__(self) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["WRAPPER_SEGMENTS", "named_layers"]
+__all__ = ["WRAPPER_SEGMENTS", "head_name", "named_layers"]
 
 #: Wrapper class name -> the attribute names under which it holds the wrapped module.
 WRAPPER_SEGMENTS: dict[str, frozenset[str]] = {
@@ -31,6 +31,21 @@ WRAPPER_SEGMENTS: dict[str, frozenset[str]] = {
     "PeftModel": frozenset({"base_model"}),  # PEFT: PeftModel.base_model is the tuner ...
     "BaseTuner": frozenset({"model"}),  # ... and the tuner's model is the user's model
 }
+
+
+def head_name(family: str, layer: str, head: int, statistic: str) -> str:
+    """The one name of a per-head value, whichever API logs it: ``{family}_heads/{layer}/head_{h}/{statistic}``.
+
+    Per-layer values are ``{family}/{layer}/{statistic}``; per-head values sit
+    in their family's ``_heads`` group, so the main group stays short however
+    many heads a model has. Every ``to_dict`` and so every logger (Lightning,
+    the Hugging Face Trainer, Fabric, a plain loop) names them here.
+
+    Example:
+        >>> head_name("attn_entropy", "blocks.0.attn", 3, "q50")
+        'attn_entropy_heads/blocks.0.attn/head_3/q50'
+    """
+    return f"{family}_heads/{layer}/head_{head}/{statistic}"
 
 
 def _wrapped_segments(module: nn.Module) -> frozenset[str]:

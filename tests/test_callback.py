@@ -220,6 +220,13 @@ def check_histogram(counts: list[float], values: Tensor) -> None:
     assert (got - want).abs().sum() <= 4, f"logged {got.tolist()}\nreference {want.tolist()}"
 
 
+def assert_spread(samples: dict[str, Samples]) -> None:
+    """The reference is far from uniform and far from one-hot in every layer: a wrong count moves its numbers."""
+    for layer, s in samples.items():
+        assert 0.2 < float(s.normalized.mean()) < 0.9, layer
+        assert float(s.normalized.std()) > 0.05, layer
+
+
 def count_queries(samples: dict[str, Samples]) -> int:
     return sum(len(s.normalized) for s in samples.values())
 

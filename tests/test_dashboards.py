@@ -39,7 +39,7 @@ from attn_monitor.figures import (
     png_bytes,
     read_cells,
 )
-from attn_monitor.loggers import group_heads, head_group, tensorboard_layout
+from attn_monitor.loggers import tensorboard_layout
 from attn_monitor.metric import AttentionEntropy, EntropySummary
 from tests import lightning_models as lm
 from tests.test_callback import make_trainer, read_tensorboard, read_wandb_history, read_wandb_records, wandb_settings
@@ -48,34 +48,6 @@ PREFIX = "attn_entropy"
 STEPS = [1, 2, 4, 5]  # Lightning's steps of the four validations of `fit_run`
 COLOUR_STEP = 2 / 255  # two steps of the 256-colour scale: neighbouring colours are close, rounding too
 BIN = 0.001
-
-
-# --------------------------------------------------------------------------- names
-
-
-@pytest.mark.parametrize(
-    ("name", "want"),
-    [
-        ("attn_entropy/h.0.attn/head_3/q50", "attn_entropy_heads/h.0.attn/head_3/q50"),
-        ("attn_entropy/h.0.attn/head_12/mean", "attn_entropy_heads/h.0.attn/head_12/mean"),
-        ("attn_sink_mass/h.0.attn/head_1/mean", "attn_sink_mass_heads/h.0.attn/head_1/mean"),
-        ("attn_max_logit/h.0.attn/head_0/max", "attn_max_logit_heads/h.0.attn/head_0/max"),
-        ("attn_distance/h.0.attn/head_7/mean", "attn_distance_heads/h.0.attn/head_7/mean"),
-        ("attn_entropy_train/h.0.attn/head_0/q50", "attn_entropy_train_heads/h.0.attn/head_0/q50"),
-        ("attn_distance_heads/h.0.attn/head_7/mean", "attn_distance_heads/h.0.attn/head_7/mean"),
-        ("attn_entropy/h.0.attn/q50", "attn_entropy/h.0.attn/q50"),
-        ("attn_entropy/h.0.attn/collapsed_heads", "attn_entropy/h.0.attn/collapsed_heads"),
-        ("attn_entropy/mean", "attn_entropy/mean"),
-        ("attn_entropy/lm_head_1/mean", "attn_entropy/lm_head_1/mean"),
-    ],
-)
-def test_per_head_values_move_to_their_family_heads_group(name: str, want: str) -> None:
-    assert head_group(name) == want
-
-
-def test_group_heads_refuses_two_names_on_one() -> None:
-    with pytest.raises(ValueError, match="attn_x_heads/l/head_0/max"):
-        group_heads({"attn_x/l/head_0/max": 1.0, "attn_x_heads/l/head_0/max": 2.0})
 
 
 # --------------------------------------------------------------------------- pictures

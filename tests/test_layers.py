@@ -36,15 +36,15 @@ LAYERS = {
         3,
     ),
     **dict.fromkeys(("loggers", "figures", "alerts", "comparison", "display", "digest"), 4),
-    **dict.fromkeys(("schedule", "recording", "core", "callback"), 5),
+    **dict.fromkeys(("schedule", "recording", "core", "callback", "hf_trainer", "fabric"), 5),
     **dict.fromkeys(("__init__", "__main__"), 6),
 }
 
 #: The only modules that may import a training framework.
 FRAMEWORK_IMPORTS = {
-    "lightning": {"callback"},
+    "lightning": {"callback", "fabric"},
     "pytorch_lightning": set(),
-    "transformers": set(),
+    "transformers": {"hf_trainer"},
 }
 
 

@@ -870,7 +870,7 @@ def test_to_dict_names_and_values() -> None:
     for layer, heads in (("enc.0", 2), ("enc.1", 2)):  # enc.1 head 2 and layer "idle" counted nothing
         base = f"attn_entropy/{layer}"
         expected_keys |= {f"{base}/{s}" for s in ("mean", "mean_seq", "q05", "q25", "q50", "q75", "q95", "nats_mean")}
-        expected_keys |= {f"{base}/head_{h}/{s}" for h in range(heads) for s in ("mean", "q50")}
+        expected_keys |= {f"attn_entropy_heads/{layer}/head_{h}/{s}" for h in range(heads) for s in ("mean", "q50")}
         expected_keys |= {f"{base}/nonfinite"} if sum(refs[layer].nonfinite) else set()
     assert set(out) == expected_keys
     assert sum(refs["enc.0"].nonfinite) > 0
@@ -889,9 +889,10 @@ def test_to_dict_names_and_values() -> None:
         _close(out[f"{base}/mean_seq"], _mean(ref.pooled("seq_means")))
         assert out.get(f"{base}/nonfinite", 0.0) == sum(ref.nonfinite)
         for head in range(2):
-            assert out[f"{base}/head_{head}/mean"] == float(summary.mean[index, head])
-            assert out[f"{base}/head_{head}/q50"] == float(summary.quantile(0.5)[index, head])
-            _close(out[f"{base}/head_{head}/mean"], _mean(ref.values[head]))
+            heads = f"attn_entropy_heads/{layer}/head_{head}"
+            assert out[f"{heads}/mean"] == float(summary.mean[index, head])
+            assert out[f"{heads}/q50"] == float(summary.quantile(0.5)[index, head])
+            _close(out[f"{heads}/mean"], _mean(ref.values[head]))
     assert out["attn_entropy/mean"] == summary.overall_mean
     _close(out["attn_entropy/mean"], _mean(refs["enc.0"].pooled("values") + refs["enc.1"].pooled("values")))
 
@@ -900,7 +901,7 @@ def test_to_dict_prefix_per_head_and_quantile_names() -> None:
     summary = _to_dict_metric()[0].compute()
     full = summary.to_dict()
     custom = summary.to_dict("val/entropy")
-    assert custom == {key.replace("attn_entropy/", "val/entropy/", 1): value for key, value in full.items()}
+    assert custom == {key.replace("attn_entropy", "val/entropy", 1): value for key, value in full.items()}
     no_heads = summary.to_dict(per_head=False)
     assert no_heads == {key: value for key, value in full.items() if "/head_" not in key}
     assert "attn_entropy/enc.0/q50" in no_heads

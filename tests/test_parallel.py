@@ -378,7 +378,7 @@ def _check_every_head(
             assert torch.equal(got["logit_count"][index], truth["count"].double() + _single_key(name))
             torch.testing.assert_close(got["mean"][index], truth["mean"], atol=TOLERANCE, rtol=0)
             torch.testing.assert_close(got["max_logit"][index], truth["max_logit"], atol=TOLERANCE, rtol=1e-6)
-        heads = {f"attn_entropy/{name}/head_{head}/mean" for name in models.layer_names() for head in range(4)}
+        heads = {f"attn_entropy_heads/{name}/head_{head}/mean" for name in models.layer_names() for head in range(4)}
         assert heads <= set(got["names"])
 
 
