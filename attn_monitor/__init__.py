@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from attn_monitor.calls import AttentionCall
     from attn_monitor.capture import AttentionCapture, evaluate_attention
     from attn_monitor.comparison import Comparison, compare, load_summary, save_summary
+    from attn_monitor.consumers import MassDiagnostics, StatisticsUpdate
     from attn_monitor.core import MonitorCore
-    from attn_monitor.diagnostics import MassDiagnostics
     from attn_monitor.eager import probabilities_at
     from attn_monitor.fabric import fabric_sinks
     from attn_monitor.functional import (
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
         merge_key_shards,
         normalize_entropy,
     )
-    from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate, distance_from_probs
+    from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, distance_from_probs
     from attn_monitor.hf_trainer import AttentionEntropyCallback
     from attn_monitor.loggers import LogOptions
     from attn_monitor.masks import Support
@@ -94,20 +94,15 @@ __all__ = [
 
 #: Public name -> the module that defines it.
 _HOMES = {
-    "AttentionEntropyMonitor": "callback",
-    "AttentionEntropyCallback": "hf_trainer",
     **dict.fromkeys(("CollapseAlert", "MaxLogitAlert", "OverloadAlert", "TrendAlert"), "alerts"),
-    "Batches": "schedule",
-    "LogOptions": "loggers",
-    "MonitorCore": "core",
-    "SelfCheck": "selfcheck",
-    "Statistics": "recording",
+    "AttentionEntropyMonitor": "callback",
     "AttentionCall": "calls",
     **dict.fromkeys(("AttentionCapture", "evaluate_attention"), "capture"),
+    **dict.fromkeys(("Comparison", "compare", "load_summary", "save_summary"), "comparison"),
+    "MonitorCore": "core",
+    **dict.fromkeys(("MassDiagnostics", "StatisticsUpdate"), "consumers"),
     "probabilities_at": "eager",
     "fabric_sinks": "fabric",
-    **dict.fromkeys(("Comparison", "compare", "load_summary", "save_summary"), "comparison"),
-    "MassDiagnostics": "diagnostics",
     **dict.fromkeys(
         (
             "KeyShardStatistics",
@@ -125,12 +120,15 @@ _HOMES = {
         ),
         "functional",
     ),
-    **dict.fromkeys(
-        ("AttentionStatistics", "StatisticsSummary", "StatisticsUpdate", "distance_from_probs"), "head_stats"
-    ),
+    **dict.fromkeys(("AttentionStatistics", "StatisticsSummary", "distance_from_probs"), "head_stats"),
+    "AttentionEntropyCallback": "hf_trainer",
+    "LogOptions": "loggers",
     "Support": "masks",
-    "declare_heads": "parallel",
     **dict.fromkeys(("AttentionEntropy", "AttentionMass", "EntropySummary", "MassSummary"), "metric"),
+    "declare_heads": "parallel",
+    "Statistics": "recording",
+    "Batches": "schedule",
+    "SelfCheck": "selfcheck",
 }
 
 

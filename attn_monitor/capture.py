@@ -793,7 +793,7 @@ def evaluate_attention(
         document_ids: ``document_ids(batch) -> (batch, seq)`` for packed
             batches; defaults to ``batch["document_ids"]`` when present.
         consumers: further consumers of every call, e.g. a
-            :class:`~attn_monitor.diagnostics.MassDiagnostics` whose metric
+            :class:`~attn_monitor.consumers.MassDiagnostics` whose metric
             then holds sink mass, eviction coverage and leakage.
 
     Returns:

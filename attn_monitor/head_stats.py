@@ -33,17 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attn_monitor.calls import AttentionCall
-from attn_monitor.consumers import without_nonfinite
-from attn_monitor.functional import attention_distance, attention_max_logit, restrict_to_support
+from attn_monitor.functional import restrict_to_support
 from attn_monitor.metric import LayerMetric, check_is_sample, copy_statistics, put_nonfinite
 from attn_monitor.names import head_name
-from attn_monitor.shared import WarnOnce
 
 __all__ = [
     "AttentionStatistics",
     "StatisticsSummary",
-    "StatisticsUpdate",
     "check_clip_threshold",
     "distance_from_probs",
     "max_logit_from_logits",
@@ -350,85 +346,3 @@ class AttentionStatistics(LayerMetric):
     def compute(self) -> StatisticsSummary:
         """Summary of everything accumulated since the last reset (collective under DDP)."""
         return StatisticsSummary(self.layers, self.head_counts, self._field_views())
-
-
-class StatisticsUpdate:
-    """The capture consumer that adds each call's max logit and attention distance to one metric.
-
-    Calls with q and k give both (distance for self-attention only). Calls
-    with probabilities (Hugging Face eager attention) give the distance but
-    no max logit, since the module never returns its logits: such a layer is
-    named in one warning and has no max logit. Queries that non-finite q, k
-    or weights reach are left out and counted, as for entropy.
-
-    Args:
-        metric: the :class:`AttentionStatistics` to update; a new one by default.
-        max_logit: measure the maximum logit.
-        distance: measure the mean attention distance.
-        warn_once: where the layer warnings go; share one :class:`~attn_monitor.shared.WarnOnce`
-            between consumers of one model to name each layer once (a new one by default).
-
-    Example:
-        >>> from attn_monitor.capture import AttentionCapture
-        >>> attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
-        >>> update = StatisticsUpdate()
-        >>> with AttentionCapture(attn) as capture:
-        ...     with capture.recording(consumers=[update]):
-        ...         _ = attn(*(3 * [torch.randn(1, 4, 8)]), need_weights=False)
-        >>> summary = update.metric.compute()
-        >>> summary.layers, summary.distance_count.tolist()
-        (['MultiheadAttention'], [[4.0, 4.0]])
-    """
-
-    def __init__(
-        self,
-        metric: AttentionStatistics | None = None,
-        *,
-        max_logit: bool = True,
-        distance: bool = True,
-        warn_once: WarnOnce | None = None,
-    ) -> None:
-        if metric is not None and not isinstance(metric, AttentionStatistics):
-            raise TypeError(f"Expected `metric` to be an AttentionStatistics or None, got {type(metric).__name__}.")
-        self.metric = metric if metric is not None else AttentionStatistics()
-        self.max_logit = bool(max_logit)
-        self.distance = bool(distance)
-        self._warn_once = warn_once if warn_once is not None else WarnOnce()
-
-    def __call__(self, call: AttentionCall, sample: Tensor) -> None:
-        call, reached = without_nonfinite(call)
-        layer = call.layer
-        support = call.support
-        self_attention = call.self_attention is not False and support.num_queries == support.num_keys
-        if self.distance and not self_attention:
-            self._warn_once(
-                f"distance:{layer}",
-                f"attn_monitor: {layer!r} is not self-attention (its keys are other tokens than its queries); "
-                "attention distance is not measured for it.",
-            )
-        values: dict[str, Tensor] = {}
-        if call.logits is not None and self.max_logit:
-            values["max_logit"] = max_logit_from_logits(call.logits, support.dense())
-        if call.probs is not None:
-            if self.max_logit and call.logits is None:
-                self._warn_once(
-                    f"max-logit:{layer}",
-                    f"attn_monitor: {layer!r} returns attention probabilities, not logits: its max logit cannot be "
-                    "measured and is not logged. Run the model with sdpa attention to measure it.",
-                )
-            if self.distance and self_attention:
-                values["distance"] = distance_from_probs(call.probs, support.dense())
-                # Weights with no mass on a non-empty support (dropout in train mode): left out, as for entropy.
-                sample = sample & ~values["distance"].isnan()
-        elif call.q is not None and call.k is not None:
-            if self.max_logit:
-                values["max_logit"] = attention_max_logit(call.q, call.k, **call.logits_of_qk())
-            if self.distance and self_attention:
-                values["distance"] = attention_distance(call.q, call.k, **call.logits_of_qk())
-        else:
-            raise ValueError(f"An AttentionCall of {layer!r} holds neither q and k nor probabilities.")
-        if not values:
-            return
-        if reached is not None:
-            values = {name: value.masked_fill(reached, math.nan) for name, value in values.items()}
-        self.metric.update(layer, is_sample=sample, head_offset=call.head_offset, num_heads=call.num_heads, **values)

@@ -23,9 +23,8 @@ from torch import Tensor, nn
 from attn_monitor.bound import LogitBound, LogitBoundSummary
 from attn_monitor.calls import Adapter, Consumer
 from attn_monitor.capture import AttentionCapture, default_document_ids, default_padding_mask
-from attn_monitor.consumers import EntropyUpdate
-from attn_monitor.diagnostics import MassDiagnostics
-from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, StatisticsUpdate, check_clip_threshold
+from attn_monitor.consumers import EntropyUpdate, MassDiagnostics, StatisticsUpdate
+from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, check_clip_threshold
 from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
 from attn_monitor.names import named_layers
 from attn_monitor.selfcheck import FastPathCheck, SelfCheck

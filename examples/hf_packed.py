@@ -12,7 +12,7 @@ directly:
    with a block-diagonal causal mask, so its attention is structured and its
    copy accuracy measurable.
 2. **Two evaluations of the same rows**, with
-   :class:`~attn_monitor.diagnostics.MassDiagnostics` (sink mass, KV-eviction
+   :class:`~attn_monitor.consumers.MassDiagnostics` (sink mass, KV-eviction
    coverage, cross-document leakage) as an extra consumer of
    :func:`~attn_monitor.capture.evaluate_attention`:
 

@@ -61,8 +61,9 @@ from typing_extensions import override
 from attn_monitor import Statistics
 from attn_monitor.callback import AttentionEntropyMonitor
 from attn_monitor.capture import evaluate_attention
+from attn_monitor.consumers import StatisticsUpdate
 from attn_monitor.figures import history_picture, save_heatmap
-from attn_monitor.head_stats import StatisticsSummary, StatisticsUpdate
+from attn_monitor.head_stats import StatisticsSummary
 from attn_monitor.metric import EntropySummary
 
 PAD, BOS = 0, 1

@@ -742,8 +742,7 @@ def test_nonfinite_softmax_logits_are_counted_not_raised() -> None:
 
     Without the logits branch of ``without_nonfinite`` the update raises on the NaN.
     """
-    from attn_monitor.consumers import EntropyUpdate
-    from attn_monitor.head_stats import StatisticsUpdate
+    from attn_monitor.consumers import EntropyUpdate, StatisticsUpdate
     from attn_monitor.metric import AttentionEntropy
     from attn_monitor.softmax import logits_call
     from tests import reference

@@ -20,9 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from attn_monitor.capture import AttentionCapture
-from attn_monitor.diagnostics import MassDiagnostics
+from attn_monitor.consumers import MassDiagnostics, StatisticsUpdate
 from attn_monitor.flex import block_mask_support
-from attn_monitor.head_stats import StatisticsUpdate
 from tests import reference
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")

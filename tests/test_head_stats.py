@@ -24,7 +24,8 @@ from attn_monitor import Batches, LogOptions, MaxLogitAlert, OverloadAlert, Stat
 from attn_monitor.callback import AttentionEntropyMonitor
 from attn_monitor.calls import AttentionCall
 from attn_monitor.capture import AttentionCapture, evaluate_attention
-from attn_monitor.head_stats import AttentionStatistics, StatisticsUpdate, distance_from_probs
+from attn_monitor.consumers import StatisticsUpdate
+from attn_monitor.head_stats import AttentionStatistics, distance_from_probs
 from attn_monitor.masks import Support
 from attn_monitor.metric import AttentionEntropy
 from tests import lightning_models as lm

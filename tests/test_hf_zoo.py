@@ -45,8 +45,8 @@ import torch
 from torch import Tensor, nn
 
 from attn_monitor.capture import AttentionCapture, evaluate_attention
+from attn_monitor.consumers import StatisticsUpdate
 from attn_monitor.eager import probabilities_at
-from attn_monitor.head_stats import StatisticsUpdate
 from tests import models, reference
 
 pytest.importorskip("transformers")

@@ -29,7 +29,6 @@ LAYERS = {
             "parallel",
             "capture",
             "consumers",
-            "diagnostics",
             "head_stats",
             "selfcheck",
         ),
