@@ -13,16 +13,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from attn_monitor.alerts import CollapseAlert, MaxLogitAlert, OverloadAlert, TrendAlert
-    from attn_monitor.callback import AttentionEntropyMonitor
-    from attn_monitor.calls import AttentionCall
-    from attn_monitor.capture import AttentionCapture, evaluate_attention
-    from attn_monitor.comparison import Comparison, compare, load_summary, save_summary
-    from attn_monitor.consumers import MassDiagnostics, StatisticsUpdate
-    from attn_monitor.core import MonitorCore
-    from attn_monitor.eager import probabilities_at
-    from attn_monitor.fabric import fabric_sinks
-    from attn_monitor.functional import (
+    from attn_monitor.capture.calls import AttentionCall
+    from attn_monitor.capture.consumers import MassDiagnostics, StatisticsUpdate
+    from attn_monitor.capture.eager import probabilities_at
+    from attn_monitor.capture.hooks import AttentionCapture, evaluate_attention
+    from attn_monitor.capture.parallel import declare_heads
+    from attn_monitor.capture.selfcheck import SelfCheck
+    from attn_monitor.functional.entropy import (
         KeyShardStatistics,
         attention_distance,
         attention_entropy,
@@ -36,15 +33,18 @@ if TYPE_CHECKING:
         merge_key_shards,
         normalize_entropy,
     )
-    from attn_monitor.head_stats import AttentionStatistics, StatisticsSummary, distance_from_probs
-    from attn_monitor.hf_trainer import AttentionEntropyCallback
-    from attn_monitor.loggers import LogOptions
-    from attn_monitor.masks import Support
-    from attn_monitor.metric import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
-    from attn_monitor.parallel import declare_heads
-    from attn_monitor.recording import Statistics
-    from attn_monitor.schedule import Batches
-    from attn_monitor.selfcheck import SelfCheck
+    from attn_monitor.functional.masks import Support
+    from attn_monitor.hf.trainer import AttentionEntropyCallback
+    from attn_monitor.lightning.callback import AttentionEntropyMonitor
+    from attn_monitor.lightning.fabric import fabric_sinks
+    from attn_monitor.metrics.entropy import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
+    from attn_monitor.metrics.statistics import AttentionStatistics, StatisticsSummary, distance_from_probs
+    from attn_monitor.monitor.core import MonitorCore
+    from attn_monitor.monitor.recording import Statistics
+    from attn_monitor.monitor.schedule import Batches
+    from attn_monitor.report.alerts import CollapseAlert, MaxLogitAlert, OverloadAlert, TrendAlert
+    from attn_monitor.report.comparison import Comparison, compare, load_summary, save_summary
+    from attn_monitor.report.loggers import LogOptions
 
 __all__ = [
     "AttentionCall",
@@ -94,15 +94,15 @@ __all__ = [
 
 #: Public name -> the module that defines it.
 _HOMES = {
-    **dict.fromkeys(("CollapseAlert", "MaxLogitAlert", "OverloadAlert", "TrendAlert"), "alerts"),
-    "AttentionEntropyMonitor": "callback",
-    "AttentionCall": "calls",
-    **dict.fromkeys(("AttentionCapture", "evaluate_attention"), "capture"),
-    **dict.fromkeys(("Comparison", "compare", "load_summary", "save_summary"), "comparison"),
-    "MonitorCore": "core",
-    **dict.fromkeys(("MassDiagnostics", "StatisticsUpdate"), "consumers"),
-    "probabilities_at": "eager",
-    "fabric_sinks": "fabric",
+    **dict.fromkeys(("CollapseAlert", "MaxLogitAlert", "OverloadAlert", "TrendAlert"), "report.alerts"),
+    "AttentionEntropyMonitor": "lightning.callback",
+    "AttentionCall": "capture.calls",
+    **dict.fromkeys(("AttentionCapture", "evaluate_attention"), "capture.hooks"),
+    **dict.fromkeys(("Comparison", "compare", "load_summary", "save_summary"), "report.comparison"),
+    "MonitorCore": "monitor.core",
+    **dict.fromkeys(("MassDiagnostics", "StatisticsUpdate"), "capture.consumers"),
+    "probabilities_at": "capture.eager",
+    "fabric_sinks": "lightning.fabric",
     **dict.fromkeys(
         (
             "KeyShardStatistics",
@@ -118,17 +118,17 @@ _HOMES = {
             "merge_key_shards",
             "normalize_entropy",
         ),
-        "functional",
+        "functional.entropy",
     ),
-    **dict.fromkeys(("AttentionStatistics", "StatisticsSummary", "distance_from_probs"), "head_stats"),
-    "AttentionEntropyCallback": "hf_trainer",
-    "LogOptions": "loggers",
-    "Support": "masks",
-    **dict.fromkeys(("AttentionEntropy", "AttentionMass", "EntropySummary", "MassSummary"), "metric"),
-    "declare_heads": "parallel",
-    "Statistics": "recording",
-    "Batches": "schedule",
-    "SelfCheck": "selfcheck",
+    **dict.fromkeys(("AttentionStatistics", "StatisticsSummary", "distance_from_probs"), "metrics.statistics"),
+    "AttentionEntropyCallback": "hf.trainer",
+    "LogOptions": "report.loggers",
+    "Support": "functional.masks",
+    **dict.fromkeys(("AttentionEntropy", "AttentionMass", "EntropySummary", "MassSummary"), "metrics.entropy"),
+    "declare_heads": "capture.parallel",
+    "Statistics": "monitor.recording",
+    "Batches": "monitor.schedule",
+    "SelfCheck": "capture.selfcheck",
 }
 
 

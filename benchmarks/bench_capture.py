@@ -51,8 +51,8 @@ from common import cpu_model, put_peak_growth, run_children
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from attn_monitor import consumers
-from attn_monitor.capture import AttentionCapture
+from attn_monitor.capture import consumers
+from attn_monitor.capture.hooks import AttentionCapture
 
 BATCH, LAYERS, HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB = 2, 4, 256, 8, 4, 512, 1000
 MODELS = ("llama", "nanogpt")
@@ -355,7 +355,7 @@ def _peak_child(model: str, path: str, n: int, threads: int, queue: multiprocess
 
 def peak_memory(model: str, path: str, n: int) -> int:
     """Resident-set growth (bytes) of one forward of ``path`` in a fresh child process."""
-    preload = ["torch", "attn_monitor.capture", "transformers.models.llama.modeling_llama"]
+    preload = ["torch", "attn_monitor.capture.hooks", "transformers.models.llama.modeling_llama"]
     (value,) = run_children(_peak_child, [(model, path, n, torch.get_num_threads())], 1, preload)
     return int(value)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import transformers
 
-from attn_monitor.capture import AttentionCapture
+from attn_monitor.capture.hooks import AttentionCapture
 
 
 def gpt2(seq: int) -> transformers.PreTrainedModel:

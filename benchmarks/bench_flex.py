@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from attn_monitor import AttentionCapture, entropy_from_qk
-from attn_monitor.flex import read_flex_call
+from attn_monitor.functional.flex import read_flex_call
 
 BATCH, HEADS, HEAD_DIM, DOCUMENTS = 2, 8, 64, 4
 SLOPES = 2.0 ** -torch.arange(1, HEADS + 1, dtype=torch.float32)

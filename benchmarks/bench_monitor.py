@@ -69,8 +69,8 @@ from train_tiny_gpt import MAX_LEN, CopyDataset, CopyModel  # type: ignore[impor
 
 from attn_monitor import AttentionEntropy, AttentionEntropyMonitor, LogOptions
 from attn_monitor import callback as callback_module
-from attn_monitor.callback import logged_through_lightning
-from attn_monitor.loggers import per_layer
+from attn_monitor.lightning.callback import logged_through_lightning
+from attn_monitor.report.loggers import per_layer
 
 BATCH_SIZE = 64
 NUM_LAYERS = 2  # the demo's TinyGPT

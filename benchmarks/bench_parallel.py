@@ -1,6 +1,6 @@
 """What placing heads (tensor parallelism support) costs a monitored forward that is not parallel.
 
-Every recorded call passes through :func:`attn_monitor.parallel.place_heads`,
+Every recorded call passes through :func:`attn_monitor.capture.parallel.place_heads`,
 which looks the layer's module up and reads its parameters for DTensor
 shards. This measures, on a Llama-style model (4 layers, hidden 256, 8
 heads, batch 2, float32 on CPU, eval, no gradients):
@@ -31,10 +31,10 @@ from common import cpu_model
 from torch import Tensor, nn
 
 from attn_monitor import capture as capture_module
-from attn_monitor.calls import AttentionCall
-from attn_monitor.capture import AttentionCapture
-from attn_monitor.masks import Support
-from attn_monitor.parallel import place_heads
+from attn_monitor.capture.calls import AttentionCall
+from attn_monitor.capture.hooks import AttentionCapture
+from attn_monitor.capture.parallel import place_heads
+from attn_monitor.functional.masks import Support
 
 BATCH, LAYERS, HIDDEN, HEADS = 2, 4, 256, 8
 

@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model
 
 from attn_monitor import Batches, MonitorCore, SelfCheck, Statistics
-from attn_monitor.calls import AttentionCall
-from attn_monitor.functional import attention_lse_entropy
-from attn_monitor.masks import Support
-from attn_monitor.selfcheck import FastPathCheck
+from attn_monitor.capture.calls import AttentionCall
+from attn_monitor.capture.selfcheck import FastPathCheck
+from attn_monitor.functional.entropy import attention_lse_entropy
+from attn_monitor.functional.masks import Support
 
 #: (name, layers, heads, d_model, batch, sequence)
 SIZES = [("demo", 2, 4, 64, 64, 30), ("larger", 4, 8, 256, 8, 512)]

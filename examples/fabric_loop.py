@@ -3,8 +3,8 @@
 A tiny causal Transformer (two ``nn.TransformerEncoderLayer`` blocks with a
 causal mask, random weights) learns a copy task for 60 steps on CPU;
 every 20 steps a validation records its first 2 batches with
-:class:`~attn_monitor.core.MonitorCore`, whose sinks are Fabric's loggers
-(:func:`~attn_monitor.fabric.fabric_sinks`)::
+:class:`~attn_monitor.monitor.core.MonitorCore`, whose sinks are Fabric's loggers
+(:func:`~attn_monitor.lightning.fabric.fabric_sinks`)::
 
     python examples/fabric_loop.py [log_dir]     # a few seconds on 2 CPU cores
     tensorboard --logdir {log_dir}

@@ -24,11 +24,11 @@ The story, in three steps:
    mean attention distance over those queries moves to ``n`` (about 10 here,
    from about 8 at initialisation); the first layer's heads do not. The
    script measures it with
-   :func:`~attn_monitor.capture.evaluate_attention` before and after training,
+   :func:`~attn_monitor.capture.hooks.evaluate_attention` before and after training,
    counting only the copy queries; the monitor also logs every head's
    distance over all real queries (``attn_distance_heads/...``).
 
-:class:`~attn_monitor.callback.AttentionEntropyMonitor` records this on the
+:class:`~attn_monitor.lightning.callback.AttentionEntropyMonitor` records this on the
 same two validation batches after every epoch and logs it to TensorBoard (and
 to W&B, offline, with ``--wandb``). At the end the script prints how each
 layer's mean entropy changed, the sharpest head of each layer, each head's
@@ -59,12 +59,12 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from attn_monitor import Statistics
-from attn_monitor.callback import AttentionEntropyMonitor
-from attn_monitor.capture import evaluate_attention
-from attn_monitor.consumers import StatisticsUpdate
-from attn_monitor.figures import history_picture, save_heatmap
-from attn_monitor.head_stats import StatisticsSummary
-from attn_monitor.metric import EntropySummary
+from attn_monitor.capture.consumers import StatisticsUpdate
+from attn_monitor.capture.hooks import evaluate_attention
+from attn_monitor.lightning.callback import AttentionEntropyMonitor
+from attn_monitor.metrics.entropy import EntropySummary
+from attn_monitor.metrics.statistics import StatisticsSummary
+from attn_monitor.report.figures import history_picture, save_heatmap
 
 PAD, BOS = 0, 1
 VOCAB = 32  # PAD, BOS and 30 ordinary tokens

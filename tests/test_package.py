@@ -48,13 +48,13 @@ def test_core_api_without_lightning_then_the_callback_on_first_use() -> None:
     # replace the function on the package.
     loaded = _imported_after(
         "import inspect\n"
-        "import attn_monitor, attn_monitor.comparison\n"
+        "import attn_monitor, attn_monitor.report.comparison\n"
         "from attn_monitor import AttentionCapture, AttentionEntropy, MassDiagnostics, compare\n"
         "from attn_monitor import entropy_from_qk, evaluate_attention\n"
         "assert not {'lightning', 'pytorch_lightning', 'wandb'} & {m.split('.')[0] for m in sys.modules}\n"
         "assert inspect.isfunction(compare) and inspect.isfunction(attn_monitor.compare)\n"
         "from attn_monitor import AttentionEntropyMonitor\n"
-        "from attn_monitor.callback import AttentionEntropyMonitor as same\n"
+        "from attn_monitor.lightning.callback import AttentionEntropyMonitor as same\n"
         "assert AttentionEntropyMonitor is same\n"
         "for name in attn_monitor.__all__:\n"
         "    assert getattr(attn_monitor, name).__name__ == name, name\n"

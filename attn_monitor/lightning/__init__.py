@@ -1,0 +1,1 @@
+"""The PyTorch Lightning adapters: the Trainer callback and Fabric's sinks."""

@@ -1,0 +1,1 @@
+"""torchmetrics metrics of attention statistics and their summaries."""

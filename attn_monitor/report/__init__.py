@@ -1,0 +1,1 @@
+"""What is done with a summary: logged names, logger adapters, pictures, alerts, comparison."""
