@@ -1,7 +1,7 @@
 """Command line: ``attn-monitor compare A B [--top N] [--heatmap out.png]``.
 
 Also runs as ``python -m attn_monitor``. ``A`` and ``B`` are summaries written
-by :func:`attn_monitor.report.comparison.save_summary`; the table of per-head changes
+by :func:`attn_monitor.report.archive.save_summary`; the table of per-head changes
 goes to stdout. Exit status: 0 on success, 2 on bad arguments, unreadable
 files or summaries that cannot be compared (with a one-line message on
 stderr, no traceback).
@@ -69,7 +69,8 @@ def _error(message: str) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     # Imported here so that `--help` and argument errors answer without loading torch.
-    from attn_monitor.report.comparison import compare, load_summary
+    from attn_monitor.report.archive import load_summary
+    from attn_monitor.report.comparison import compare
 
     try:
         summaries = [load_summary(path) for path in (args.a, args.b)]

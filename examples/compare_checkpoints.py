@@ -8,9 +8,9 @@ summarise each, compare the two summaries head by head. This example:
    data, imported from it) for six epochs without Lightning (copy accuracy
    from chance to ~98%), saving the weights after the first and the last one;
 2. loads each checkpoint into a fresh model and runs
-   :func:`~attn_monitor.capture.hooks.evaluate_attention` on the same fixed
+   :func:`~attn_monitor.capture.evaluate.evaluate_attention` on the same fixed
    validation batches, writing each summary with
-   :func:`~attn_monitor.report.comparison.save_summary`;
+   :func:`~attn_monitor.report.archive.save_summary`;
 3. loads both summaries back, compares them with
    :func:`~attn_monitor.report.comparison.compare` and prints the ten heads whose
    entropy distribution moved most (Wasserstein-1 distance), then writes the

@@ -14,7 +14,7 @@ directly:
 2. **Two evaluations of the same rows**, with
    :class:`~attn_monitor.capture.consumers.MassDiagnostics` (sink mass, KV-eviction
    coverage, cross-document leakage) as an extra consumer of
-   :func:`~attn_monitor.capture.hooks.evaluate_attention`:
+   :func:`~attn_monitor.capture.evaluate.evaluate_attention`:
 
    (a) *isolated*: ``attention_mask`` is a 4-D boolean (B, 1, N, N)
        block-diagonal causal mask. Transformers 5 hands a 4-D mask to SDPA

@@ -24,7 +24,7 @@ The story, in three steps:
    mean attention distance over those queries moves to ``n`` (about 10 here,
    from about 8 at initialisation); the first layer's heads do not. The
    script measures it with
-   :func:`~attn_monitor.capture.hooks.evaluate_attention` before and after training,
+   :func:`~attn_monitor.capture.evaluate.evaluate_attention` before and after training,
    counting only the copy queries; the monitor also logs every head's
    distance over all real queries (``attn_distance_heads/...``).
 
@@ -60,7 +60,7 @@ from typing_extensions import override
 
 from attn_monitor import Statistics
 from attn_monitor.capture.consumers import StatisticsUpdate
-from attn_monitor.capture.hooks import evaluate_attention
+from attn_monitor.capture.evaluate import evaluate_attention
 from attn_monitor.lightning.callback import AttentionEntropyMonitor
 from attn_monitor.metrics.entropy import EntropySummary
 from attn_monitor.metrics.statistics import StatisticsSummary

@@ -1,6 +1,6 @@
 """What a batch says besides the model's inputs: which tokens are real, which document each belongs to.
 
-The defaults :func:`~attn_monitor.capture.hooks.evaluate_attention` and the
+The defaults :func:`~attn_monitor.capture.evaluate.evaluate_attention` and the
 Lightning callback use for dict batches (Hugging Face style).
 """
 

@@ -4,7 +4,7 @@
 * :class:`StatisticsUpdate`: max logit and mean attention distance, into
   :class:`~attn_monitor.metrics.statistics.AttentionStatistics`;
 * :class:`MassDiagnostics`: attention mass on subsets of the support, into
-  :class:`~attn_monitor.metrics.entropy.AttentionMass`.
+  :class:`~attn_monitor.metrics.mass.AttentionMass`.
 
 All read a call's logits one way (:meth:`AttentionCall.logits_of_qk`), leave out
 the queries non-finite values reach (:func:`without_nonfinite`), and count them.
@@ -41,25 +41,19 @@ from torch import Tensor
 
 from attn_monitor.capture.calls import AttentionCall
 from attn_monitor.capture.selfcheck import FastPathCheck
-from attn_monitor.functional.entropy import (
-    Method,
-    all_finite,
-    attention_distance,
-    attention_entropy,
-    attention_lse,
-    attention_lse_entropy,
-    attention_max_logit,
-    entropy_from_logits,
-    mass_fraction,
-    restrict_to_support,
-)
+from attn_monitor.functional.entropy import Method, attention_lse, attention_lse_entropy, mass_fraction
 from attn_monitor.functional.masks import Support, leading_keys
-from attn_monitor.metrics.bound import LogitBound
-from attn_monitor.metrics.entropy import (
-    AttentionEntropy,
-    AttentionMass,
+from attn_monitor.functional.probs import all_finite, attention_entropy, entropy_from_logits, restrict_to_support
+from attn_monitor.functional.statistics import (
+    attention_distance,
+    attention_max_logit,
+    distance_from_probs,
+    max_logit_from_logits,
 )
-from attn_monitor.metrics.statistics import AttentionStatistics, distance_from_probs, max_logit_from_logits
+from attn_monitor.metrics.bound import LogitBound
+from attn_monitor.metrics.entropy import AttentionEntropy
+from attn_monitor.metrics.mass import AttentionMass
+from attn_monitor.metrics.statistics import AttentionStatistics
 from attn_monitor.shared.checks import WarnOnce
 
 __all__ = ["EntropyUpdate", "MassDiagnostics", "StatisticsUpdate", "without_nonfinite"]

@@ -77,7 +77,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from attn_monitor.capture import hf_interface
-from attn_monitor.capture.batches import default_document_ids, default_forward, default_padding_mask
+from attn_monitor.capture.batches import default_document_ids, default_padding_mask
 from attn_monitor.capture.calls import Adapter, AttentionCall, Consumer
 from attn_monitor.capture.consumers import EntropyUpdate
 from attn_monitor.capture.eager import (
@@ -94,11 +94,11 @@ from attn_monitor.capture.softmax import SoftmaxReader, softmax_logits
 from attn_monitor.functional.entropy import Method
 from attn_monitor.functional.flex import is_flex_attention, read_flex_call
 from attn_monitor.functional.masks import Support
-from attn_monitor.metrics.entropy import AttentionEntropy, EntropySummary
+from attn_monitor.metrics.entropy import AttentionEntropy
 from attn_monitor.shared.checks import WarnOnce, describe, matches
 from attn_monitor.shared.names import named_layers
 
-__all__ = ["AttentionCapture", "default_document_ids", "default_padding_mask", "evaluate_attention"]
+__all__ = ["AttentionCapture", "default_document_ids", "default_padding_mask"]
 
 _SDPA = F.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
@@ -756,77 +756,6 @@ def _own_tokens(support: Support) -> Tensor | None:
     if support.mask is None:
         return support.padding_mask  # causal order, windows and documents hide no key from every query
     return support.dense().any(-2).any(-2)
-
-
-def evaluate_attention(
-    model: nn.Module,
-    batches: Iterable[Any],
-    *,
-    forward: Callable[[nn.Module, Any], Any] | None = None,
-    padding_mask: Callable[[Any], Tensor | Mapping[str, Tensor] | None] | None = None,
-    metric: AttentionEntropy | None = None,
-    layers: Iterable[str] | None = None,
-    adapters: Mapping[str, Adapter] | None = None,
-    document_ids: Callable[[Any], Tensor | None] | None = None,
-    consumers: Iterable[Consumer] = (),
-) -> EntropySummary:
-    """Attention entropy of ``model`` over ``batches``, without Lightning.
-
-    Runs the model in eval mode without gradients, capture on, and returns the
-    summary; the model's train/eval mode is restored afterwards. Compare two
-    checkpoints by calling it on both with the same batches.
-
-    Args:
-        model: the model.
-        batches: an iterable of batches: dicts of keyword arguments by default
-            (their ``attention_mask`` and ``decoder_attention_mask`` decide
-            which queries are samples).
-        forward: ``forward(model, batch)`` for anything else; the default calls
-            ``model(**batch)`` for dicts, ``model(*batch)`` for tuples.
-        padding_mask: ``padding_mask(batch)`` -> a (batch, seq) mask of real
-            tokens, or a mapping from layer pattern to such a mask (see
-            :meth:`AttentionCapture.recording`); defaults to
-            :func:`default_padding_mask`.
-        metric: metric to fill (a fresh :class:`AttentionEntropy` by default).
-        layers: layer patterns to record (all attention by default).
-        adapters: see :class:`AttentionCapture`.
-        document_ids: ``document_ids(batch) -> (batch, seq)`` for packed
-            batches; defaults to ``batch["document_ids"]`` when present.
-        consumers: further consumers of every call, e.g. a
-            :class:`~attn_monitor.capture.consumers.MassDiagnostics` whose metric
-            then holds sink mass, eviction coverage and leakage.
-
-    Returns:
-        The :class:`EntropySummary` of every batch.
-
-    Raises:
-        RuntimeError: no attention call was captured (the error says what was
-            searched and what to do).
-
-    Example:
-        >>> import torch
-        >>> layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
-        >>> summary = evaluate_attention(layer, [torch.randn(2, 6, 8)])
-        >>> summary.layers
-        ['self_attn']
-    """
-    forward = forward or default_forward
-    padding_mask = padding_mask or default_padding_mask
-    document_ids = document_ids or default_document_ids
-    capture = AttentionCapture(model, metric, layers=layers, adapters=adapters)
-    capture.consumers.extend(consumers)
-    was_training = model.training
-    model.eval()
-    try:
-        with capture, torch.no_grad():
-            for batch in batches:
-                with capture.recording(padding_mask(batch), document_ids(batch)):
-                    forward(model, batch)
-    finally:
-        model.train(was_training)
-    if capture.num_calls == 0:
-        raise RuntimeError(nothing_captured_message(model))
-    return capture.metric.compute()
 
 
 def nothing_captured_message(model: nn.Module) -> str:

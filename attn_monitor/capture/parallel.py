@@ -16,7 +16,7 @@ Where the heads come from, in order:
    placements. A shard along the sequence (context parallelism) is refused:
    each rank holds part of the keys, and an entropy over local keys has the
    wrong support (merging key shards exactly is
-   :func:`~attn_monitor.functional.entropy.merge_key_shards`, but the capture cannot
+   :func:`~attn_monitor.functional.shards.merge_key_shards`, but the capture cannot
    see the other ranks' keys).
 2. A declaration, :func:`declare_heads`, for parallelism PyTorch cannot show
    (plain tensors and hand-written process groups).

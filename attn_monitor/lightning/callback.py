@@ -43,7 +43,7 @@ from attn_monitor.monitor.core import MonitorCore
 from attn_monitor.monitor.recording import BatchMask, Statistics
 from attn_monitor.monitor.schedule import Batches
 from attn_monitor.report.alerts import Alert
-from attn_monitor.report.comparison import SummaryArchive
+from attn_monitor.report.archive import SummaryArchive
 from attn_monitor.report.loggers import LogOptions, per_layer
 
 __all__ = ["AttentionEntropyMonitor", "lightning_log_step", "logged_through_lightning"]
@@ -70,7 +70,7 @@ class AttentionEntropyMonitor(Callback):
         alerts: a list of :class:`~attn_monitor.report.alerts.CollapseAlert`
             (``stop=True`` stops training), :class:`~attn_monitor.report.alerts.OverloadAlert`,
             :class:`~attn_monitor.report.alerts.MaxLogitAlert` (needs
-            ``Statistics(max_logit=True)``), :class:`~attn_monitor.report.alerts.TrendAlert`;
+            ``Statistics(max_logit=True)``), :class:`~attn_monitor.report.trend.TrendAlert`;
             at most one of each.
         layers: layer name patterns (globs) to monitor; each must match a module at setup.
         module: ``module(pl_module) -> nn.Module`` to watch; by default the
@@ -82,7 +82,7 @@ class AttentionEntropyMonitor(Callback):
             each token; by default a dict batch's ``document_ids``.
         adapters: module name pattern -> adapter, see :class:`AttentionCapture`.
         save_summaries: save each epoch's summary (see
-            :func:`~attn_monitor.report.comparison.save_summary`) under
+            :func:`~attn_monitor.report.archive.save_summary`) under
             ``{trainer.log_dir}/attn_entropy/epoch{n}.pt``.
 
     With several validation dataloaders each is summarised apart and every

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attn_monitor.metrics.entropy import LayerMetric, check_is_sample, copy_statistics
+from attn_monitor.metrics.base import LayerMetric, copy_statistics
+from attn_monitor.metrics.entropy import check_is_sample
 from attn_monitor.shared.names import head_name
 
 __all__ = ["BOUND_FAMILY", "LogitBound", "LogitBoundSummary"]

@@ -2,8 +2,8 @@
 
 Two screening numbers per (layer, head), computed from the captured q, k and
 support (never an N x N matrix) by
-:func:`~attn_monitor.functional.entropy.attention_max_logit` and
-:func:`~attn_monitor.functional.entropy.attention_distance`:
+:func:`~attn_monitor.functional.statistics.attention_max_logit` and
+:func:`~attn_monitor.functional.statistics.attention_distance`:
 
 * **max logit**: the largest ``scale * q.k`` (plus any additive bias) a
   counted query gives a visible key, maximised over every counted query
@@ -33,40 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attn_monitor.functional.entropy import restrict_to_support
-from attn_monitor.metrics.entropy import LayerMetric, check_is_sample, copy_statistics, put_nonfinite
+from attn_monitor.metrics.base import LayerMetric, copy_statistics, put_nonfinite
+from attn_monitor.metrics.entropy import check_is_sample
 from attn_monitor.shared.names import head_name
 
-__all__ = [
-    "AttentionStatistics",
-    "StatisticsSummary",
-    "check_clip_threshold",
-    "distance_from_probs",
-    "max_logit_from_logits",
-]
+__all__ = ["AttentionStatistics", "StatisticsSummary", "check_clip_threshold"]
 
 _SUM_FIELDS = ("logit_count", "logit_nonfinite", "distance_sum", "distance_count", "distance_nonfinite")
-
-
-def max_logit_from_logits(scores: Tensor, mask: Tensor) -> Tensor:
-    """Largest logit each query gives a visible key, from the logits an eager softmax received.
-
-    Args:
-        scores: (batch, heads, query, key) logits, masks and biases included.
-        mask: bool, broadcastable to ``scores``; True = visible.
-
-    Returns:
-        (batch, heads, query) maximum logits, float32 at least; NaN where a
-        query has no visible key.
-
-    Example:
-        >>> scores = torch.tensor([[[[1.0, 3.0, -100.0], [2.0, 5.0, 0.0]]]])
-        >>> max_logit_from_logits(scores, torch.tensor([[True, False, True], [False, False, False]]))
-        tensor([[[1., nan]]])
-    """
-    hidden = torch.full((), -math.inf, dtype=scores.dtype, device=scores.device)
-    largest = torch.where(mask, scores, hidden).amax(-1).to(torch.promote_types(scores.dtype, torch.float32))
-    return largest.masked_fill(largest == -math.inf, math.nan)
 
 
 def check_clip_threshold(threshold: object, name: str = "threshold") -> None:
@@ -77,44 +50,6 @@ def check_clip_threshold(threshold: object, name: str = "threshold") -> None:
     """
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf:
         raise ValueError(f"Expected the clip `{name}` to be a positive finite number, got {threshold!r}.")
-
-
-def distance_from_probs(attn: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Mean attention distance ``E|i - j|`` of each query from attention probabilities.
-
-    The weights are restricted to the support and renormalised there (as for
-    entropy, :func:`~attn_monitor.functional.entropy.restrict_to_support`); query ``i``
-    and key ``i`` are the same token (self-attention).
-
-    Args:
-        attn: (batch, heads, seq, seq) attention probabilities.
-        mask: bool, broadcastable to ``attn``; True = visible. None: every key.
-
-    Returns:
-        (batch, heads, seq) mean distance in positions, float32 (float64 for
-        float64 input); NaN where a query has no visible key or no mass on it.
-
-    Raises:
-        TypeError, ValueError: as :func:`~attn_monitor.functional.entropy.restrict_to_support`;
-            a non-square ``attn``.
-
-    Example:
-        >>> uniform = torch.full((1, 1, 3, 3), 1 / 3)
-        >>> distance_from_probs(uniform, torch.ones(3, 3, dtype=torch.bool).tril())  # causal: i / 2
-        tensor([[[0.0000, 0.5000, 1.0000]]])
-    """
-    weights, no_mass = restrict_to_support(attn, mask)
-    num_q, num_k = weights.shape[-2:]
-    if num_q != num_k:
-        raise ValueError(
-            f"Expected square `attn` (self-attention: query i and key i are one token), got {num_q} queries "
-            f"and {num_k} keys."
-        )
-    positions = torch.arange(num_q, device=weights.device, dtype=weights.dtype)
-    offsets = (positions[:, None] - positions[None, :]).abs()
-    distance = (weights * offsets).sum(-1)
-    empty = weights.sum(-1) == 0
-    return distance.masked_fill(empty | no_mass, math.nan)
 
 
 class StatisticsSummary:

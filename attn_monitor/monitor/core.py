@@ -18,8 +18,8 @@ way through them:
   the model, one stream of metrics per validation dataloader and one for
   training steps (:class:`Statistics`);
 * the alerts: what a summary warns about, and whether it stops training;
-* :class:`~attn_monitor.report.loggers.Dashboards`: what is logged (:class:`LogOptions`)
-  to the sinks, the one route out; :class:`~attn_monitor.report.comparison.SummaryArchive`
+* :class:`~attn_monitor.report.dashboards.Dashboards`: what is logged (:class:`LogOptions`)
+  to the sinks, the one route out; :class:`~attn_monitor.report.archive.SummaryArchive`
   sinks save each summary.
 
 Nothing here knows a training framework: the loop's adapter maps its loggers
@@ -46,8 +46,9 @@ from attn_monitor.metrics.statistics import StatisticsSummary
 from attn_monitor.monitor.recording import BatchMask, Recorder, Statistics
 from attn_monitor.monitor.schedule import Batches, BatchSchedule
 from attn_monitor.report.alerts import Alert, LeakageAlert
-from attn_monitor.report.comparison import SummaryArchive
-from attn_monitor.report.loggers import Dashboards, LogOptions, send_alert
+from attn_monitor.report.archive import SummaryArchive
+from attn_monitor.report.dashboards import Dashboards
+from attn_monitor.report.loggers import LogOptions, send_alert
 from attn_monitor.shared.checks import WarnOnce
 
 __all__ = ["MonitorCore", "ValidationOutcome", "never_monitored_message", "setup_line"]
@@ -80,7 +81,7 @@ class MonitorCore:
         log: what is logged, and the prefix of every entropy name.
         alerts: :class:`~attn_monitor.report.alerts.CollapseAlert`,
             :class:`~attn_monitor.report.alerts.OverloadAlert`,
-            :class:`~attn_monitor.report.alerts.MaxLogitAlert`, :class:`~attn_monitor.report.alerts.TrendAlert`,
+            :class:`~attn_monitor.report.alerts.MaxLogitAlert`, :class:`~attn_monitor.report.trend.TrendAlert`,
             at most one of each.
         layers: layer name patterns (globs) to watch; each must match a module at :meth:`attach`.
         module: ``module(root) -> nn.Module`` to watch (default: what :meth:`attach` gets).
@@ -154,7 +155,7 @@ class MonitorCore:
         Args:
             model: what :meth:`recording` watches (``module(model)`` when given).
             sinks: ``SummaryWriter``, :class:`~attn_monitor.report.loggers.WandbSink`, objects with
-                ``log_metrics(metrics, step)``, :class:`~attn_monitor.report.comparison.SummaryArchive`.
+                ``log_metrics(metrics, step)``, :class:`~attn_monitor.report.archive.SummaryArchive`.
             device: where the metrics live.
             new_run: start from zero (a state loaded before the run is where it starts).
 

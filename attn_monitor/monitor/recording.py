@@ -25,7 +25,8 @@ from attn_monitor.capture.consumers import EntropyUpdate, MassDiagnostics, Stati
 from attn_monitor.capture.hooks import AttentionCapture, default_document_ids, default_padding_mask
 from attn_monitor.capture.selfcheck import FastPathCheck, SelfCheck
 from attn_monitor.metrics.bound import LogitBound, LogitBoundSummary
-from attn_monitor.metrics.entropy import AttentionEntropy, AttentionMass, EntropySummary, MassSummary
+from attn_monitor.metrics.entropy import AttentionEntropy, EntropySummary
+from attn_monitor.metrics.mass import AttentionMass, MassSummary
 from attn_monitor.metrics.statistics import AttentionStatistics, StatisticsSummary, check_clip_threshold
 from attn_monitor.shared.checks import WarnOnce, matches
 from attn_monitor.shared.names import named_layers

@@ -9,7 +9,7 @@ Markdown for TensorBoard's text plugin (:func:`digest_markdown`) and as rows
 of a W&B table (:func:`digest_rows`, :func:`digest_table`), so that "layer 7 head 3 fell from 0.81 to 0.12 since
 step 400" is read at the top, not hunted for among per-head charts.
 
-Everything here is pure; :class:`~attn_monitor.report.loggers.Dashboards` writes
+Everything here is pure; :class:`~attn_monitor.report.dashboards.Dashboards` writes
 the digest at every monitored validation. Layers are shown by their
 :func:`~attn_monitor.report.display.short_names` and the W&B rows keep the full name.
 """

@@ -46,7 +46,8 @@ from torch import Tensor, nn
 
 from attn_monitor.capture.consumers import StatisticsUpdate
 from attn_monitor.capture.eager import probabilities_at
-from attn_monitor.capture.hooks import AttentionCapture, evaluate_attention
+from attn_monitor.capture.evaluate import evaluate_attention
+from attn_monitor.capture.hooks import AttentionCapture
 from tests.helpers import models, reference
 
 pytest.importorskip("transformers")

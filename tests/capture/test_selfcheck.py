@@ -22,7 +22,7 @@ import torch
 from attn_monitor import LogOptions, SelfCheck, Statistics
 from attn_monitor.capture.calls import AttentionCall
 from attn_monitor.capture.selfcheck import dense_lse_entropy
-from attn_monitor.functional import entropy as F
+from attn_monitor.functional import kernels as F
 from attn_monitor.functional.masks import Support
 from attn_monitor.lightning.callback import AttentionEntropyMonitor
 from tests.functional.test_entropy import to_support

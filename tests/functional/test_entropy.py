@@ -12,18 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attn_monitor import functional
-from attn_monitor.functional.entropy import (
-    attention_distance,
-    attention_entropy,
-    attention_lse,
-    attention_max_logit,
-    entropy_from_logits,
-    entropy_from_qk,
-    histogram_quantile,
-    normalize_entropy,
-    restrict_to_support,
-)
+from attn_monitor.functional.entropy import attention_lse, entropy_from_qk
+from attn_monitor.functional.histograms import histogram_quantile
 from attn_monitor.functional.masks import Support
+from attn_monitor.functional.probs import attention_entropy, entropy_from_logits, normalize_entropy, restrict_to_support
+from attn_monitor.functional.statistics import attention_distance, attention_max_logit
 from tests.helpers import reference as ref
 
 # A fused-kernel failure falls back with a warning; here it must fail the test instead.

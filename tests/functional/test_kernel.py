@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attn_monitor.functional.entropy as functional
+import attn_monitor.functional.kernels as kernels
 import tests.helpers.reference as ref
 from attn_monitor import Support, entropy_from_qk
 
@@ -154,7 +155,7 @@ def test_key_masks_stay_key_masks() -> None:
 @pytest.mark.parametrize("family", ["window_pad_causal", "documents_pad", "documents_causal", "causal_pad_left"])
 def test_blocked_kernel_calls_match_reference(family: str, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Blocks of 8 queries over 40: several kernel calls, hidden key blocks skipped.
-    monkeypatch.setattr(functional, "QUERY_BLOCK", 8)
+    monkeypatch.setattr(kernels, "QUERY_BLOCK", 8)
     spec = spec_of(family, heads=1, length=40, seed=3)
     spec.heads = 3
     gen = torch.Generator().manual_seed(1)
@@ -168,8 +169,8 @@ def test_blocked_kernel_calls_match_reference(family: str, form: str, monkeypatc
 
 
 def test_window_calls_skip_hidden_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(functional, "QUERY_BLOCK", 16)
-    calls = functional._kernel_calls(Support(128, causal=True, window=8), torch.float32)
+    monkeypatch.setattr(kernels, "QUERY_BLOCK", 16)
+    calls = kernels._kernel_calls(Support(128, causal=True, window=8), torch.float32)
     assert len(calls) == 8
     assert all(k_stop - k_start <= 16 + 7 for _, _, k_start, k_stop, _, _ in calls)
 
@@ -256,7 +257,7 @@ def test_cuda_branch_passes_masks_as_broadcast_views(name: str) -> None:
     q = torch.empty(batch, heads, length, dim, device="meta")
     k = torch.empty(batch, kv_heads, length, dim, device="meta")
     with on_meta(supports[name]) as support, SizeWatch() as watch:
-        out, lse = functional._run_kernel(functional._cuda_attention, q, k, support, 0.1)
+        out, lse = kernels._run_kernel(kernels._cuda_attention, q, k, support, 0.1)
     assert out.shape == q.shape and lse.shape == q.shape[:3]
     kernel_calls = [c for c in watch.calls if c[0] is torch.ops.aten._scaled_dot_product_efficient_attention.default]
     assert kernel_calls
@@ -286,7 +287,7 @@ def test_cuda_branch_folded_groups_match_repeated_keys(monkeypatch: pytest.Monke
         return scores.softmax(-1) @ k_, padded, None, None
 
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", efficient)
-    out, lse = functional._cuda_attention(q, k, mask, False, 0.3)
+    out, lse = kernels._cuda_attention(q, k, mask, False, 0.3)
     scores = q @ k.repeat_interleave(3, 1).transpose(-1, -2) * 0.3 + mask
     assert torch.allclose(lse, scores.logsumexp(-1), atol=1e-5)
     assert torch.allclose(out, scores.softmax(-1) @ k.repeat_interleave(3, 1), atol=1e-5)
@@ -306,7 +307,7 @@ def test_recognition_is_reused_only_for_the_unchanged_mask() -> None:
 
 @pytest.mark.parametrize("family", ["window_pad_causal", "documents_pad"])
 def test_blocked_calls_at_large_logits(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(functional, "QUERY_BLOCK", 8)
+    monkeypatch.setattr(kernels, "QUERY_BLOCK", 8)
     spec = spec_of(family, length=40, seed=5)
     q, k = large_qk(spec, 1e4, "shared")
     want = ref.entropy_from_qk(q, k, ref.dense_support(spec))

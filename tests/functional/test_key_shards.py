@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from attn_monitor.functional.entropy import KeyShardStatistics, key_shard_statistics, merge_key_shards
+from attn_monitor.functional.shards import KeyShardStatistics, key_shard_statistics, merge_key_shards
 from tests.helpers import reference
 
 TOLERANCE = 1e-6

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from attn_monitor import Batches, CollapseAlert, LogOptions
 from attn_monitor.lightning.callback import AttentionEntropyMonitor
-from attn_monitor.report.comparison import load_summary
+from attn_monitor.report.archive import load_summary
 from tests.helpers import lightning_models as lm
 from tests.helpers import models, reference
 

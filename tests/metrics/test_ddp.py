@@ -27,10 +27,11 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from attn_monitor import AttentionEntropy, AttentionMass, EntropySummary
-from attn_monitor.functional.entropy import attention_distance, attention_lse_entropy, attention_max_logit
+from attn_monitor.functional.entropy import attention_lse_entropy
 from attn_monitor.functional.masks import Support
+from attn_monitor.functional.statistics import attention_distance, attention_max_logit
+from attn_monitor.metrics.base import LayerMetric
 from attn_monitor.metrics.bound import LogitBound
-from attn_monitor.metrics.entropy import LayerMetric
 from attn_monitor.metrics.statistics import AttentionStatistics
 from tests.helpers import reference
 from tests.helpers.processes import launch

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attn_monitor import AttentionEntropy, AttentionMass, EntropySummary, histogram_quantile
-from attn_monitor.metrics.entropy import LayerMetric
+from attn_monitor.metrics.base import LayerMetric
 
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
 STATE_KINDS = (

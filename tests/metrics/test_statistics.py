@@ -23,11 +23,13 @@ from torch import Tensor
 from attn_monitor import Batches, LogOptions, MaxLogitAlert, OverloadAlert, Statistics
 from attn_monitor.capture.calls import AttentionCall
 from attn_monitor.capture.consumers import StatisticsUpdate
-from attn_monitor.capture.hooks import AttentionCapture, evaluate_attention
+from attn_monitor.capture.evaluate import evaluate_attention
+from attn_monitor.capture.hooks import AttentionCapture
 from attn_monitor.functional.masks import Support
+from attn_monitor.functional.statistics import distance_from_probs
 from attn_monitor.lightning.callback import AttentionEntropyMonitor
 from attn_monitor.metrics.entropy import AttentionEntropy
-from attn_monitor.metrics.statistics import AttentionStatistics, distance_from_probs
+from attn_monitor.metrics.statistics import AttentionStatistics
 from tests.capture.test_diagnostics import llama_qk
 from tests.helpers import lightning_models as lm
 from tests.helpers import models, reference

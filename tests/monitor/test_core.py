@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from attn_monitor import Batches, CollapseAlert, LogOptions, MonitorCore
-from attn_monitor.report.comparison import SummaryArchive, load_summary
+from attn_monitor.report.archive import SummaryArchive, load_summary
 from tests.helpers import lightning_models as lm
 from tests.lightning.test_callback import (
     PREFIX,

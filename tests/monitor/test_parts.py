@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from attn_monitor.capture.calls import AttentionCall
 from attn_monitor.capture.consumers import EntropyUpdate
 from attn_monitor.capture.hooks import AttentionCapture
-from attn_monitor.metrics.entropy import AttentionEntropy, MassSummary
+from attn_monitor.metrics.entropy import AttentionEntropy
+from attn_monitor.metrics.mass import MassSummary
 from attn_monitor.monitor.recording import Recorder, Statistics
 from attn_monitor.monitor.schedule import Batches, BatchSchedule
 from attn_monitor.report.alerts import CollapseAlert, LeakageAlert
@@ -350,7 +351,8 @@ def test_collect_with_nothing_recorded_is_none_and_quiet() -> None:
 
 def test_dashboards_history_round_trips_through_a_weights_only_checkpoint(tmp_path: Any) -> None:
     """The heads-over-training history survives torch.save / torch.load(weights_only=True), NaN heads included."""
-    from attn_monitor.report.loggers import Dashboards, LogOptions
+    from attn_monitor.report.dashboards import Dashboards
+    from attn_monitor.report.loggers import LogOptions
 
     dashboards = Dashboards(LogOptions())
     for step, heads in ((3, [0.2, 0.9]), (7, [0.1, 0.8])):

@@ -23,15 +23,8 @@ import torch
 
 from attn_monitor import AttentionEntropy, EntropySummary
 from attn_monitor.__main__ import main
-from attn_monitor.report.comparison import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    REMINDER,
-    Comparison,
-    compare,
-    load_summary,
-    save_summary,
-)
+from attn_monitor.report.archive import FORMAT_NAME, FORMAT_VERSION, load_summary, save_summary
+from attn_monitor.report.comparison import REMINDER, Comparison, compare
 
 NUM_VALID = 16
 LOG_N = math.log(NUM_VALID)

@@ -26,6 +26,7 @@ import torch
 
 from attn_monitor.metrics.entropy import AttentionEntropy, EntropySummary
 from attn_monitor.report.alerts import CollapseAlert
+from attn_monitor.report.dashboards import Dashboards
 from attn_monitor.report.digest import (
     COLUMNS,
     Baseline,
@@ -34,7 +35,7 @@ from attn_monitor.report.digest import (
     digest_table,
     validation_digest,
 )
-from attn_monitor.report.loggers import Dashboards, LogOptions, WandbSink
+from attn_monitor.report.loggers import LogOptions, WandbSink
 from tests.lightning.test_callback import read_tensorboard, read_wandb_history, wandb_settings
 
 LAYERS = ["model.transformer.h.0.attn", "model.transformer.h.1.attn", "model.transformer.h.2.attn"]

@@ -40,7 +40,7 @@ from attn_monitor.report.figures import (
     png_bytes,
     read_cells,
 )
-from attn_monitor.report.loggers import tensorboard_layout
+from attn_monitor.report.layout import tensorboard_layout
 from tests.helpers import lightning_models as lm
 from tests.lightning.test_callback import (
     make_trainer,
