@@ -68,7 +68,7 @@ from torch.utils.data import DataLoader
 from train_tiny_gpt import MAX_LEN, CopyDataset, CopyModel  # type: ignore[import-not-found]
 
 from attn_monitor import AttentionEntropy, AttentionEntropyMonitor, LogOptions
-from attn_monitor import callback as callback_module
+from attn_monitor.lightning import callback as callback_module
 from attn_monitor.lightning.callback import logged_through_lightning
 from attn_monitor.report.loggers import per_layer
 

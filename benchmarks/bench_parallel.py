@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from common import cpu_model
 from torch import Tensor, nn
 
-from attn_monitor import capture as capture_module
+from attn_monitor.capture import hooks as capture_module
 from attn_monitor.capture.calls import AttentionCall
 from attn_monitor.capture.hooks import AttentionCapture
 from attn_monitor.capture.parallel import place_heads
