@@ -122,6 +122,9 @@ class AttentionEntropyCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         model: nn.Module = kwargs["model"]
+        # A TrainerCallback hears of no exception: a train() that raised left its hooks and part of a
+        # recording behind. They go now, before this run's are added, so nothing is recorded twice.
+        self._release()
         self._zero = state.is_world_process_zero
         sinks = trainer_sinks(args) if self._zero else []
         self._writers = [sink for sink in sinks if not isinstance(sink, WandbSink)]

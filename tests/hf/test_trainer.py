@@ -253,3 +253,51 @@ def test_a_stopping_alert_stops_training_after_the_evaluation(tmp_path: Path) ->
     with pytest.warns(UserWarning, match="collapse"):
         trainer.train()
     assert trainer.state.global_step == 2
+
+
+class _Counting(transformers.TrainerCallback):  # type: ignore[misc]
+    """Counts the model's forward hooks at every evaluation."""
+
+    def __init__(self, model: torch.nn.Module, counted: list[int]) -> None:
+        self.model, self.counted = model, counted
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.counted.append(len(self.model._forward_hooks) + len(self.model._forward_pre_hooks))
+
+
+class _Boom(transformers.TrainerCallback):  # type: ignore[misc]
+    """Raises at the end of step 3, after the first evaluation was recorded."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 3:
+            raise RuntimeError("boom")
+
+
+def test_a_train_that_raised_leaves_nothing_recorded_twice(tmp_path: Path) -> None:
+    """The hooks a failed ``train()`` left go at the next one: it holds exactly one pair, and its summary the reference.
+
+    Without the release at ``on_train_begin`` the second run has two pairs of hooks on the model and
+    counts every evaluation batch twice (checked by removing it, then restoring).
+    """
+    from attn_monitor import AttentionEntropyCallback
+
+    callback = AttentionEntropyCallback()
+    failing = _trainer(tmp_path / "first", [callback, _Boom()], report_to=[])
+    model = failing.model
+    base = len(model._forward_hooks) + len(model._forward_pre_hooks)
+    with pytest.raises(RuntimeError, match="boom"):
+        failing.train()
+    again = _trainer(tmp_path / "second", [callback], report_to=[])
+    again.model = model
+    counted: list[int] = []
+    again.add_callback(_Counting(model, counted))
+    again.train()
+    assert counted and set(counted) == {base + 2}, counted
+    assert len(model._forward_hooks) + len(model._forward_pre_hooks) == base
+    reference = _reference(model)
+    summary = callback.core.last_summaries[0]
+    for layer, samples in reference.items():
+        index = summary.layer_index(layer)
+        assert int(summary.count[index].sum()) == samples.normalized.numel(), layer
+        mean = summary.to_dict()[f"attn_entropy/{layer}/mean"]
+        assert mean == pytest.approx(float(samples.normalized.mean()), abs=1e-4), layer
