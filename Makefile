@@ -27,14 +27,14 @@ test: venv
 	$(VPY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The package as users get it: a wheel built from this tree, installed (not
-# editable) into a fresh venv, checked from outside the checkout.
+# editable) with its hf extra into a fresh venv, checked from outside the checkout.
 WHEEL_VENV := build/wheel-venv
 wheel-check: venv
 	rm -rf build/wheel $(WHEEL_VENV)
 	$(VPY) -m pip wheel --no-deps --no-build-isolation -w build/wheel .
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)"
-	$(WHEEL_VENV)/bin/python -m pip install -q build/wheel/*.whl
+	$(WHEEL_VENV)/bin/python -m pip install -q "$$(ls build/wheel/*.whl)[hf]"
 	cd build && PATH="$(abspath $(WHEEL_VENV))/bin:$$PATH" $(abspath $(WHEEL_VENV))/bin/python \
 		$(abspath .ci/wheel_smoke.py) $(abspath attn_monitor)
 

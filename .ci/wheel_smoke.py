@@ -41,6 +41,9 @@ def main(source: Path) -> None:
     summary = evaluate_attention(model, [(torch.randn(2, 5, 16),)])
     assert len(summary.layers) == 2 and 0 < summary.overall_mean < 1, (summary.layers, summary.overall_mean)
     AttentionEntropyMonitor()
+    from attn_monitor import AttentionEntropyCallback  # the hf extra: the wheel is installed with it
+
+    AttentionEntropyCallback()
     cli = subprocess.run(["attn-monitor", "--help"], capture_output=True, text=True, check=True)
     assert "compare" in cli.stdout
     print(f"wheel smoke: {len(shipped)} modules from {installed}, {len(summary.layers)} layers measured")
