@@ -30,7 +30,7 @@ test: venv
 # editable) with its hf extra into a fresh venv, checked from outside the checkout.
 WHEEL_VENV := build/wheel-venv
 wheel-check: venv
-	rm -rf build/wheel $(WHEEL_VENV)
+	rm -rf build/wheel build/lib $(WHEEL_VENV)  # setuptools would ship stale modules left in build/lib
 	$(VPY) -m pip wheel --no-deps --no-build-isolation -w build/wheel .
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)"
