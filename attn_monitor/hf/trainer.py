@@ -105,7 +105,9 @@ class AttentionEntropyCallback(TrainerCallback):
         self._hooks = ExitStack()  # the forward hooks, from on_train_begin to on_train_end
         self._batch = ExitStack()  # the recording of the current forward pass
         self._writers: list[Any] = []  # the SummaryWriters this callback opened
-        self._evaluations = 0
+        self._now = 0  # the Trainer's optimizer step, from on_step_end
+        self._evaluation_steps: set[int] = set()  # one evaluation per step, however many datasets it evaluates
+        self._datasets: dict[str, int] = {}  # name -> index of each named evaluation dataset, in the order seen
         self._next_batch: itertools.count[int] | None = None  # batch indices of the running evaluation
         self._step: int | None = None  # the optimizer step whose first forward pass is still to come
 
@@ -130,7 +132,8 @@ class AttentionEntropyCallback(TrainerCallback):
         self._writers = [sink for sink in sinks if not isinstance(sink, WandbSink)]
         device = next(model.parameters()).device
         self.core.attach(model, sinks, device=device)
-        self._evaluations, self._next_batch = 0, None
+        self._now, self._next_batch = state.global_step, None
+        self._evaluation_steps, self._datasets = set(), {}
         self._hooks.callback(model.register_forward_pre_hook(self._forward_start, with_kwargs=True).remove)
         self._hooks.callback(model.register_forward_hook(self._forward_end, always_call=True).remove)
 
@@ -155,8 +158,8 @@ class AttentionEntropyCallback(TrainerCallback):
                 self.core.training_step_start(self._step, kwargs)
                 self._step = None
             return
-        if self._next_batch is None:  # the first forward pass of an evaluation
-            self.core.validation_start(epoch=self._evaluations)
+        if self._next_batch is None:  # the first forward pass of an evaluation (of one dataset)
+            self.core.validation_start(epoch=len(self._evaluation_steps | {self._now}) - 1)
             self._next_batch = itertools.count()
         self._batch.enter_context(self.core.recording(next(self._next_batch), kwargs))
 
@@ -172,6 +175,7 @@ class AttentionEntropyCallback(TrainerCallback):
         self._step = state.global_step
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._now = state.global_step
         self.core.training_step_end(state.global_step)  # the step the Trainer logs this step's loss at
 
     def on_evaluate(
@@ -182,13 +186,21 @@ class AttentionEntropyCallback(TrainerCallback):
         metrics: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
+        self._evaluation_steps.add(state.global_step)
         if self._next_batch is None:  # no forward pass in eval mode: nothing was evaluated
             return
         self._next_batch = None
-        self._evaluations += 1
-        outcome = self.core.validation_end(state.global_step)  # every process: a collective
-        if metrics is not None:
-            metrics.update({f"eval_{name}": value for name, value in outcome.scalars.items() if per_layer(name)})
+        metrics = {} if metrics is None else metrics
+        prefix = evaluation_prefix(metrics)
+        dataset = None
+        if prefix != "eval":  # one of several datasets (or a metric_key_prefix of the user's): names of its own
+            name = prefix.removeprefix("eval_")
+            dataset = (self._datasets.setdefault(name, len(self._datasets)), f"/{name}")
+        outcome = self.core.validation_end(state.global_step, dataset=dataset)  # every process: a collective
+        suffix = "" if dataset is None else dataset[1]
+        metrics.update(
+            {f"{prefix}_{name.removesuffix(suffix)}": v for name, v in outcome.scalars.items() if per_layer(name)}
+        )
         if outcome.stop:
             control.should_training_stop = True
 
@@ -200,6 +212,18 @@ class AttentionEntropyCallback(TrainerCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the next run starts from it."""
         self.core.load_state_dict(state_dict)
+
+
+def evaluation_prefix(metrics: Mapping[str, float]) -> str:
+    """The ``metric_key_prefix`` of an evaluation's ``metrics``: ``eval``, or ``eval_{name}`` for a named dataset.
+
+    Read from ``{prefix}_runtime``, which ``Trainer.evaluate`` puts into every evaluation's metrics.
+
+    Example:
+        >>> evaluation_prefix({"eval_a_loss": 1.0, "eval_a_runtime": 0.1})
+        'eval_a'
+    """
+    return next((key.removesuffix("_runtime") for key in metrics if key.endswith("_runtime")), "eval")
 
 
 def trainer_sinks(args: TrainingArguments) -> list[Any]:

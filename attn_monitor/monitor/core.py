@@ -235,6 +235,7 @@ class MonitorCore:
         step: int,
         *,
         num_dataloaders: int = 1,
+        dataset: tuple[int, str] | None = None,
         logged_elsewhere: Callable[[str], bool] | None = None,
         loop_names: Iterable[str] = (),
     ) -> ValidationOutcome:
@@ -246,6 +247,8 @@ class MonitorCore:
         Args:
             step: the step the loop logs this validation's own values at.
             num_dataloaders: validation dataloaders (names get ``/dataloader_idx_{i}`` when more than one).
+            dataset: a loop that validates its datasets one at a time, each a validation of its own
+                (recorded into dataloader 0): this dataset's index (its alert baselines) and its names' suffix.
             logged_elsewhere: names the loop logs itself; the sinks do not get them from here.
             loop_names: names the loop logs of its own (its validation loss gets a chart beside entropy's).
         """
@@ -255,10 +258,11 @@ class MonitorCore:
         scalars: dict[str, float] = {}
         stop = recorded = False
         for index in range(max(num_dataloaders, 1)):
-            suffix = f"/dataloader_idx_{index}" if num_dataloaders > 1 else ""
+            key, suffix = dataset or (index, f"/dataloader_idx_{index}" if num_dataloaders > 1 else "")
             logged = self._end_stream(
-                index, step, suffix, alerts=not sanity_check, logged_elsewhere=logged_elsewhere, loop_names=loop_names
-            )
+                index, step, suffix, key=key, alerts=not sanity_check, logged_elsewhere=logged_elsewhere,
+                loop_names=loop_names,
+            )  # fmt: skip
             if logged is None:
                 continue
             scalars.update(logged)
@@ -277,11 +281,16 @@ class MonitorCore:
         step: int,
         suffix: str,
         *,
+        key: int,
         alerts: bool,
         logged_elsewhere: Callable[[str], bool] | None,
         loop_names: Iterable[str],
     ) -> dict[str, float] | None:
-        """Compute, alert and write one dataloader's stream; its scalars (None: nothing recorded)."""
+        """Compute, alert (with the baselines of ``key``) and write one dataloader's stream.
+
+        Returns:
+            Its scalars; None when nothing was recorded.
+        """
         summary, masses = self.recorder.collect(index)
         statistics = self.recorder.collect_statistics(index)
         extra = self._bound_names(index, BOUND_FAMILY)
@@ -295,7 +304,7 @@ class MonitorCore:
             extra.update(statistics.to_dict("attn", per_head=self.options.per_head, clip_threshold=clip))
         findings: dict[str, float] = {}
         for alert in self.alerts if alerts else ():
-            findings.update(alert.check(summary, statistics, key=index))
+            findings.update(alert.check(summary, statistics, key=key))
         extra.update(findings)
         if masses is not None:
             self.leakage(masses)

@@ -301,3 +301,63 @@ def test_a_train_that_raised_leaves_nothing_recorded_twice(tmp_path: Path) -> No
         assert int(summary.count[index].sum()) == samples.normalized.numel(), layer
         mean = summary.to_dict()[f"attn_entropy/{layer}/mean"]
         assert mean == pytest.approx(float(samples.normalized.mean()), abs=1e-4), layer
+
+
+SECOND_EVAL_BATCHES = lm.make_batches(3, seed=5)
+
+
+def _named_datasets() -> dict[str, list[dict[str, Tensor]]]:
+    """Two evaluation datasets; the Trainer evaluates them one after the other as ``eval_a_*`` and ``eval_b_*``."""
+    return {"a": _examples(EVAL_BATCHES), "b": _examples(SECOND_EVAL_BATCHES)}
+
+
+def _unsuffixed(scalars: dict[str, float], name: str) -> dict[str, float]:
+    return {tag.removesuffix(f"/{name}"): value for tag, value in scalars.items() if tag.endswith(f"/{name}")}
+
+
+def test_each_evaluation_dataset_is_logged_under_its_own_name(tmp_path: Path) -> None:
+    """``eval_dataset={"a": ..., "b": ...}``: names end in ``/a`` and ``/b``, each against its own reference.
+
+    The metrics of dataset ``a``'s evaluation hold ``eval_a_{name}`` (``metric_for_best_model="a_attn_entropy/mean"``).
+    Caught (each tried, then restored): every dataset logged under the same names (two values per tag and step),
+    the metrics named ``eval_{name}`` for every dataset.
+    """
+    from attn_monitor import AttentionEntropyCallback
+
+    metrics = _Metrics()
+    trainer = _trainer(tmp_path, [AttentionEntropyCallback(), metrics], report_to=["tensorboard"])
+    trainer.eval_dataset = _named_datasets()
+    trainer.train()
+    events = _read(_event_directory(tmp_path))
+    state = trainer.model.state_dict()
+    for name, batches in (("a", EVAL_BATCHES), ("b", SECOND_EVAL_BATCHES)):
+        reference = {layer.removeprefix("model."): s for layer, s in hf_reference(state, batches[:2]).items()}
+        assert_spread(reference)
+        assert [e.step for e in events.Scalars(f"eval/{name}_loss")] == STEPS
+        assert [e.step for e in events.Scalars(f"{PREFIX}/mean/{name}")] == STEPS
+        for step in STEPS:
+            scalars = _unsuffixed(tb_scalars_at(events, step), name)
+            assert set(scalars) == expected_names(LAYERS)
+            check_against_reference(scalars, reference)
+        assert [e.step for e in events.Histograms(f"{PREFIX}/{LAYERS[0]}/hist/{name}")] == STEPS
+    assert f"{PREFIX}/mean" not in events.Tags()["scalars"]
+    assert len(metrics.seen) == 2 * len(STEPS)
+    for name, seen in zip("abab", metrics.seen, strict=True):
+        assert f"eval_{name}_loss" in seen
+        assert {key for key in seen if PREFIX in key} == {f"eval_{name}_{n}" for n in expected_names(LAYERS)}
+
+
+def test_every_n_epochs_counts_evaluations_not_datasets(tmp_path: Path) -> None:
+    """``every_n_epochs=2`` with two datasets: the evaluation at step 4 is recorded, for both, and step 2's for neither.
+
+    Caught: counting every dataset's ``evaluate`` as an evaluation (only ``b`` is recorded, at both steps).
+    """
+    from attn_monitor import AttentionEntropyCallback
+
+    metrics = _Metrics()
+    callback = AttentionEntropyCallback(batches=Batches(2, every_n_epochs=2))
+    trainer = _trainer(tmp_path, [callback, metrics], report_to=[])
+    trainer.eval_dataset = _named_datasets()
+    trainer.train()
+    recorded = [any(PREFIX in key for key in seen) for seen in metrics.seen]
+    assert recorded == [False, False, True, True]

@@ -288,9 +288,8 @@ def gpt_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         loggers: list[Any] = [TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")]
         wandb = None
         try:
-            from lightning.pytorch.loggers import WandbLogger
-
             import wandb
+            from lightning.pytorch.loggers import WandbLogger
         except ImportError:
             pass
         else:

@@ -17,6 +17,7 @@ import torch
 from attn_monitor import Batches, CollapseAlert, LogOptions, MonitorCore
 from attn_monitor.report.archive import SummaryArchive, load_summary
 from tests.helpers import lightning_models as lm
+from tests.helpers import models
 from tests.lightning.test_callback import (
     PREFIX,
     check_against_reference,
@@ -118,3 +119,30 @@ def test_names_the_loop_logs_itself_stay_out_of_the_sinks_and_a_stop_is_asked(tm
 def test_attach_refuses_what_is_no_sink() -> None:
     with pytest.raises(TypeError, match="Expected each sink"):
         MonitorCore().attach(lm.TinyGPT(), ["runs/"])
+
+
+def test_datasets_validated_one_at_a_time_get_their_own_names_and_alert_baselines() -> None:
+    """``validation_end(dataset=(i, suffix))``: names end in the dataset's suffix, each dataset its own baseline.
+
+    The precondition is asserted: dataset ``b`` has a head whose median lies more than 1% below ``a``'s, so a
+    baseline shared by both datasets (checked by passing ``key=index`` in place of the dataset's, then restored)
+    flags a collapse that is none.
+    """
+    model = models.hf_model("gpt2", "sdpa").eval()  # spread attention: the datasets' medians differ
+    alert = CollapseAlert(drop=0.01)
+    core = MonitorCore(log=LogOptions(histogram_bins=None, heatmap=False), alerts=[alert])
+    core.attach(model, [])
+    for index, (name, seed) in enumerate((("a", 23), ("b", 24))):
+        core.validation_start(epoch=0)
+        with torch.no_grad():
+            for batch_index, batch in enumerate(lm.make_batches(2, seed=seed)):
+                with core.recording(batch_index, batch):
+                    model(**batch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a collapse warning fails the test
+            outcome = core.validation_end(3, dataset=(index, f"/{name}"))
+        assert outcome.scalars and all(key.endswith(f"/{name}") for key in outcome.scalars)
+        assert not any("collapsed" in key and value for key, value in outcome.scalars.items())
+    core.release()
+    assert set(alert.baselines) == {0, 1}
+    assert bool((alert.baselines[1] < 0.99 * alert.baselines[0]).any())
