@@ -94,21 +94,27 @@ class _Metrics(transformers.TrainerCallback):  # type: ignore[misc]
         self.seen.append(dict(metrics))
 
 
-def _trainer(output_dir: Path, callbacks: list[Any], report_to: list[str]) -> Any:
-    """4 steps at learning rate 0 of the tiny GPT-2, an evaluation (3 batches) every 2 steps."""
+def _trainer(output_dir: Path, callbacks: list[Any], report_to: list[str], **arguments: Any) -> Any:
+    """4 steps at learning rate 0 of the tiny GPT-2, an evaluation (3 batches) every 2 steps.
+
+    ``arguments`` replace or add ``TrainingArguments``.
+    """
     args = transformers.TrainingArguments(
-        output_dir=str(output_dir),
-        eval_strategy="steps",
-        eval_steps=2,
-        max_steps=4,
-        learning_rate=0.0,
-        per_device_train_batch_size=lm.BATCH,
-        per_device_eval_batch_size=lm.BATCH,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=report_to,
-        use_cpu=True,
-        disable_tqdm=True,
+        **{
+            "output_dir": str(output_dir),
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "max_steps": 4,
+            "learning_rate": 0.0,
+            "per_device_train_batch_size": lm.BATCH,
+            "per_device_eval_batch_size": lm.BATCH,
+            "logging_steps": 1,
+            "save_strategy": "no",
+            "report_to": report_to,
+            "use_cpu": True,
+            "disable_tqdm": True,
+            **arguments,
+        }
     )
     return transformers.Trainer(
         model=models.hf_model("gpt2", "sdpa").train(),
@@ -361,3 +367,33 @@ def test_every_n_epochs_counts_evaluations_not_datasets(tmp_path: Path) -> None:
     trainer.train()
     recorded = [any(PREFIX in key for key in seen) for seen in metrics.seen]
     assert recorded == [False, False, True, True]
+
+
+def test_best_model_and_early_stopping_read_the_entropy_of_the_evaluation(tmp_path: Path) -> None:
+    """``metric_for_best_model="attn_entropy/mean"``: the Trainer's best metric is the reference's mean entropy.
+
+    At learning rate 0 both evaluations measure the same weights, so the first stays the best (``greater`` is
+    strict) and ``EarlyStoppingCallback(patience=1)`` stops after the second. Caught: the statistics left out of
+    the evaluation's ``metrics`` (the Trainer raises: the metric is not found).
+    """
+    from attn_monitor import AttentionEntropyCallback
+
+    stopping = transformers.EarlyStoppingCallback(early_stopping_patience=1)
+    trainer = _trainer(
+        tmp_path,
+        [AttentionEntropyCallback(), stopping],
+        report_to=[],
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=2,
+        metric_for_best_model="attn_entropy/mean",
+        greater_is_better=True,
+        load_best_model_at_end=True,
+    )
+    trainer.train()
+    reference = _reference(trainer.model)
+    assert_spread(reference)
+    want = float(torch.cat([s.normalized for s in reference.values()]).mean())
+    assert trainer.state.best_metric == pytest.approx(want, abs=1e-4)
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    assert trainer.state.global_step == 4  # stopped by the early-stopping callback, 2 steps before max_steps
