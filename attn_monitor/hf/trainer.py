@@ -29,7 +29,8 @@ process zero writes; every overall and per-layer statistic is also put into
 the evaluation's ``metrics`` as ``eval_{name}`` (after the Trainer has logged
 them, before it picks the best model: ``metric_for_best_model=
 "attn_entropy/mean"`` works). An alert with ``stop=True`` sets
-``control.should_training_stop``.
+``control.should_training_stop``. A ``trainer.evaluate()`` outside ``train()`` is
+not recorded (the hooks are not on the model); it warns once.
 """
 
 from __future__ import annotations
@@ -51,8 +52,14 @@ from attn_monitor.monitor.recording import BatchMask, Statistics
 from attn_monitor.monitor.schedule import Batches
 from attn_monitor.report.alerts import Alert
 from attn_monitor.report.loggers import LogOptions, WandbSink, per_layer
+from attn_monitor.shared.checks import WarnOnce
 
 __all__ = ["AttentionEntropyCallback", "tensorboard_dir", "trainer_sinks"]
+
+OUTSIDE_TRAIN = (
+    "attn_monitor: AttentionEntropyCallback records the evaluations inside `trainer.train()` only; this "
+    "`trainer.evaluate()` outside it is not monitored (for one, use `evaluate_attention(trainer.model, batches)`)."
+)
 
 
 class AttentionEntropyCallback(TrainerCallback):
@@ -110,6 +117,7 @@ class AttentionEntropyCallback(TrainerCallback):
         self._datasets: dict[str, int] = {}  # name -> index of each named evaluation dataset, in the order seen
         self._next_batch: itertools.count[int] | None = None  # batch indices of the running evaluation
         self._step: int | None = None  # the optimizer step whose first forward pass is still to come
+        self._warn_once = WarnOnce(self._warn)
 
     def _warn(self, message: str, stacklevel: int = 2) -> None:
         if self._zero:
@@ -186,6 +194,10 @@ class AttentionEntropyCallback(TrainerCallback):
         metrics: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
+        if not self.core.recorder.attached:  # Trainer.evaluate() outside train(): no hooks on the model
+            self._zero = state.is_world_process_zero
+            self._warn_once("outside-train", OUTSIDE_TRAIN)
+            return
         self._evaluation_steps.add(state.global_step)
         if self._next_batch is None:  # no forward pass in eval mode: nothing was evaluated
             return

@@ -397,3 +397,23 @@ def test_best_model_and_early_stopping_read_the_entropy_of_the_evaluation(tmp_pa
     assert trainer.state.best_metric == pytest.approx(want, abs=1e-4)
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
     assert trainer.state.global_step == 4  # stopped by the early-stopping callback, 2 steps before max_steps
+
+
+def test_an_evaluation_outside_train_warns_once_that_it_is_not_monitored(tmp_path: Path) -> None:
+    """``trainer.evaluate()`` before and after ``train()`` records nothing and says so, once; train() is monitored.
+
+    Caught: the warning left out (nothing is logged and nothing is said).
+    """
+    import warnings
+
+    from attn_monitor import AttentionEntropyCallback
+
+    metrics = _Metrics()
+    trainer = _trainer(tmp_path, [AttentionEntropyCallback(), metrics], report_to=[])
+    with pytest.warns(UserWarning, match="outside it is not monitored"):
+        trainer.evaluate()
+    trainer.train()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="attn_monitor")  # said once only
+        trainer.evaluate()
+    assert [any(PREFIX in key for key in seen) for seen in metrics.seen] == [False, True, True, False]
