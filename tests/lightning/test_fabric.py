@@ -2,16 +2,18 @@
 
 A TinyGPT (q and k scaled up, so attention is spread) at learning rate 0 (weights as built) trains 4 steps with Fabric
 (cpu, one device), validating after steps 2 and 4 on 3 batches, the first 2
-recorded; Fabric's TensorBoardLogger event file and CSVLogger file are read
+recorded; Fabric's TensorBoardLogger event file, CSVLogger file and an offline W&B run are read
 back and checked against the float64 reference of test_callback.
 
 Broken variants these tests caught (each tried, then restored):
 ``fabric_sinks`` giving the TensorBoardLogger itself (scalars only: no
-histogram or heatmap in the event file), and giving no sinks on rank zero.
+histogram or heatmap in the event file), giving no sinks on rank zero, and
+giving the ``WandbLogger`` itself (no histogram in the W&B run).
 """
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +34,17 @@ from tests.lightning.test_callback import (
     gpt_reference,
     read_csv,
     read_tensorboard,
+    read_wandb_history,
     tb_scalars_at,
+    wandb_settings,
 )
 from tests.shared.test_names import per_head_names
 
 STEPS = [2, 4]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("fabric")
-    loggers = [TensorBoardLogger(root / "tb"), CSVLogger(root / "csv")]
+def _fabric_loop(loggers: list[Any]) -> dict[str, Any]:
+    """4 steps of a Fabric loop writing through ``loggers``, validating after steps 2 and 4; the reference."""
     fabric = Fabric(accelerator="cpu", devices=1, loggers=loggers)
     model = lm.TinyGPT(lr=0.0)
     with torch.no_grad():  # q and k (the first two thirds of c_attn) scaled up: attention far from uniform
@@ -72,8 +74,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     core.release()
     for logger in loggers:
         logger.finalize("success")
+    return gpt_reference(model.state_dict(), val[:2])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("fabric")
+    loggers = [TensorBoardLogger(root / "tb"), CSVLogger(root / "csv")]
     return {
-        "reference": gpt_reference(model.state_dict(), val[:2]),
+        "reference": _fabric_loop(loggers),
         "events": read_tensorboard(loggers[0].log_dir),
         "csv": read_csv(str(Path(loggers[1].log_dir) / "metrics.csv")),
     }
@@ -106,3 +115,29 @@ def test_csv_logger_gets_the_scalars(run: dict[str, Any]) -> None:
     for row in logged:
         scalars = {name: float(row[name]) for name in expected_names(lm.GPT_LAYERS, per_head=True)}
         check_against_reference(scalars, run["reference"])
+
+
+def test_wandb_logger_gets_everything_in_its_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``WandbLogger`` (offline) in ``fabric.loggers``: one run holds every scalar, the histograms and the heatmap.
+
+    Caught: ``fabric_sinks`` giving the ``WandbLogger`` itself (scalars only: no histogram, no heatmap).
+    """
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="attn-monitor-tests", settings=wandb_settings())
+    try:
+        reference = _fabric_loop([logger])
+    finally:
+        wandb.finish()
+    (run_file,) = glob.glob(str(tmp_path / "wandb" / "*run-*" / "run-*.wandb"))
+    rows = [row for row in read_wandb_history(run_file) if f"{PREFIX}/mean" in row]
+    assert [row["trainer/global_step"] for row in rows] == STEPS
+    names = expected_names(lm.GPT_LAYERS, per_head=True)
+    for row in rows:
+        check_against_reference({name: row[name] for name in names}, reference)
+        for layer in lm.GPT_LAYERS:
+            check_histogram(row[f"{PREFIX}/{layer}/hist"]["values"], reference[layer].normalized)
+        assert row[f"{PREFIX}/heatmap"]["_type"] == "image-file"
