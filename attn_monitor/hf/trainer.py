@@ -9,9 +9,10 @@ callback finds what it needs in what it is handed:
 * batches: from ``on_train_begin`` to ``on_train_end`` a forward pre-hook on
   the model (with its keyword arguments: the Trainer calls ``model(**inputs)``)
   and a forward hook around every forward pass. The first forward pass in
-  eval mode starts an evaluation; its forward passes are its batches, counted
-  from 0, until ``on_evaluate`` ends it (so one forward pass per batch:
-  ``generate`` inside ``evaluate`` would count its steps as batches).
+  eval mode starts an evaluation, ``on_evaluate`` ends it; its batches are
+  counted from 0 by ``on_prediction_step`` (the end of each), and the first
+  forward pass of a sampled batch is recorded (``generate`` inside
+  ``evaluate`` runs more: they are left out, with one warning).
 * sinks, on the world process zero only: TensorBoard, when ``report_to``
   holds it, gets a ``SummaryWriter`` of its own in the directory the
   Trainer's ``TensorBoardCallback`` writes to (``$TENSORBOARD_LOGGING_DIR``,
@@ -36,7 +37,6 @@ not recorded (the hooks are not on the model); it warns once.
 from __future__ import annotations
 
 import glob
-import itertools
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -56,6 +56,10 @@ from attn_monitor.shared.checks import WarnOnce
 
 __all__ = ["AttentionEntropyCallback", "tensorboard_dir", "trainer_sinks"]
 
+SEVERAL_FORWARDS = (
+    "attn_monitor: an evaluation batch ran several forward passes (`generate`, `predict_with_generate`); "
+    "AttentionEntropyCallback records the first of each sampled batch (the prompt) and leaves the others out."
+)
 OUTSIDE_TRAIN = (
     "attn_monitor: AttentionEntropyCallback records the evaluations inside `trainer.train()` only; this "
     "`trainer.evaluate()` outside it is not monitored (for one, use `evaluate_attention(trainer.model, batches)`)."
@@ -115,7 +119,8 @@ class AttentionEntropyCallback(TrainerCallback):
         self._now = 0  # the Trainer's optimizer step, from on_step_end
         self._evaluation_steps: set[int] = set()  # one evaluation per step, however many datasets it evaluates
         self._datasets: dict[str, int] = {}  # name -> index of each named evaluation dataset, in the order seen
-        self._next_batch: itertools.count[int] | None = None  # batch indices of the running evaluation
+        self._batch_index: int | None = None  # the running evaluation's batch (None: no evaluation runs)
+        self._batch_started = False  # whether that batch's first forward pass has run
         self._step: int | None = None  # the optimizer step whose first forward pass is still to come
         self._warn_once = WarnOnce(self._warn)
 
@@ -140,7 +145,7 @@ class AttentionEntropyCallback(TrainerCallback):
         self._writers = [sink for sink in sinks if not isinstance(sink, WandbSink)]
         device = next(model.parameters()).device
         self.core.attach(model, sinks, device=device)
-        self._now, self._next_batch = state.global_step, None
+        self._now, self._batch_index = state.global_step, None
         self._evaluation_steps, self._datasets = set(), {}
         self._hooks.callback(model.register_forward_pre_hook(self._forward_start, with_kwargs=True).remove)
         self._hooks.callback(model.register_forward_hook(self._forward_end, always_call=True).remove)
@@ -166,10 +171,14 @@ class AttentionEntropyCallback(TrainerCallback):
                 self.core.training_step_start(self._step, kwargs)
                 self._step = None
             return
-        if self._next_batch is None:  # the first forward pass of an evaluation (of one dataset)
+        if self._batch_index is None:  # the first forward pass of an evaluation (of one dataset)
             self.core.validation_start(epoch=len(self._evaluation_steps | {self._now}) - 1)
-            self._next_batch = itertools.count()
-        self._batch.enter_context(self.core.recording(next(self._next_batch), kwargs))
+            self._batch_index, self._batch_started = 0, False
+        if self._batch_started:  # a further forward pass of the batch (generate's next tokens)
+            self._warn_once("several-forwards", SEVERAL_FORWARDS)
+            return
+        self._batch_started = True
+        self._batch.enter_context(self.core.recording(self._batch_index, kwargs))
 
     def _forward_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if module.training:
@@ -186,6 +195,13 @@ class AttentionEntropyCallback(TrainerCallback):
         self._now = state.global_step
         self.core.training_step_end(state.global_step)  # the step the Trainer logs this step's loss at
 
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._batch_index is not None:  # the batch is over: the next forward pass is the next batch's
+            self._batch_index += 1
+            self._batch_started = False
+
     def on_evaluate(
         self,
         args: TrainingArguments,
@@ -199,9 +215,9 @@ class AttentionEntropyCallback(TrainerCallback):
             self._warn_once("outside-train", OUTSIDE_TRAIN)
             return
         self._evaluation_steps.add(state.global_step)
-        if self._next_batch is None:  # no forward pass in eval mode: nothing was evaluated
+        if self._batch_index is None:  # no forward pass in eval mode: nothing was evaluated
             return
-        self._next_batch = None
+        self._batch_index = None
         metrics = {} if metrics is None else metrics
         prefix = evaluation_prefix(metrics)
         dataset = None

@@ -417,3 +417,31 @@ def test_an_evaluation_outside_train_warns_once_that_it_is_not_monitored(tmp_pat
         warnings.filterwarnings("error", message="attn_monitor")  # said once only
         trainer.evaluate()
     assert [any(PREFIX in key for key in seen) for seen in metrics.seen] == [False, True, True, False]
+
+
+def test_an_evaluation_batch_of_several_forward_passes_records_its_first(tmp_path: Path) -> None:
+    """A ``prediction_step`` that runs the model again on a cut batch (as ``generate`` does): the first pass counts.
+
+    The logged values equal the reference of the first two batches; one warning says the others were left out.
+    Caught: counting forward passes as batches (batch 1 is then batch 0's second pass: the counts and values
+    differ from the reference).
+    """
+    from attn_monitor import AttentionEntropyCallback
+
+    metrics = _Metrics()
+    trainer = _trainer(tmp_path, [AttentionEntropyCallback(), metrics], report_to=[])
+    predict = trainer.prediction_step
+
+    def twice(model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        out = predict(model, inputs, *args, **kwargs)
+        with torch.no_grad():
+            model(input_ids=inputs["input_ids"][:, :3])
+        return out
+
+    trainer.prediction_step = twice
+    with pytest.warns(UserWarning, match="several forward passes"):
+        trainer.train()
+    reference = _reference(trainer.model)
+    for seen in metrics.seen:
+        scalars = {name.removeprefix("eval_"): value for name, value in seen.items() if PREFIX in name}
+        check_against_reference(scalars, reference)
