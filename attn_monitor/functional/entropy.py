@@ -466,24 +466,24 @@ def _block_scores(
     rows: tuple[int, int],
     keys: tuple[int, int],
     dtype: torch.dtype,
-    score_mod: ScoreMod | None = None,
+    modify: Callable[..., Tensor] | None = None,
 ) -> Tensor:
     """The logits one block of queries gives its keys, in ``dtype``: what the softmax receives.
 
-    ``scale * q k^T``, then ``score_mod`` (evaluated over the block's indices),
-    then the support's additive bias; hidden keys ``-inf``. GQA keys are
-    broadcast, not copied.
+    ``scale * q k^T``, then ``modify`` (a ``score_mod`` already vmapped by
+    :func:`over_indices`) over the block's indices, then the support's
+    additive bias; hidden keys ``-inf``. GQA keys are broadcast, not copied.
     """
     (q_start, q_stop), (k_start, k_stop) = rows, keys
     batch, heads, _, dim = q.shape
     kv_heads = k.shape[1]
     queries = (q[:, :, q_start:q_stop].to(dtype) * scale).reshape(batch, kv_heads, heads // kv_heads, -1, dim)
     scores = (queries @ k[:, :, None, k_start:k_stop].to(dtype).transpose(-1, -2)).flatten(1, 2)
-    if score_mod is not None:
+    if modify is not None:
         device = scores.device
         indices = (torch.arange(batch, device=device), torch.arange(heads, device=device))
         positions = (torch.arange(q_start, q_stop, device=device), torch.arange(k_start, k_stop, device=device))
-        scores = over_indices(score_mod, True)(scores, *indices, *positions).to(dtype)
+        scores = modify(scores, *indices, *positions).to(dtype)
     bias = support.bias_block(q_start, q_stop, k_start, k_stop)
     if bias is not None:
         scores = scores + bias.to(scores.device, dtype)
@@ -515,11 +515,12 @@ def _over_query_blocks(
     bytes_per_row = (3 if score_mod is None else 4) * batch * heads * k.shape[2] * q.element_size()
     block = max(1, min(num_q, memory_budget // max(1, bytes_per_row)))
     outputs = [q.new_full((batch, heads, num_q), fill) for fill in fills]
+    modify = None if score_mod is None else over_indices(score_mod, True)  # vmapped once, for every block
     for q_start, q_stop, k_start, k_stop in support.key_blocks(block):
         if k_stop == k_start:
             continue
         rescore = functools.partial(
-            _block_scores, q, k, support, scale, (q_start, q_stop), (k_start, k_stop), score_mod=score_mod
+            _block_scores, q, k, support, scale, (q_start, q_stop), (k_start, k_stop), modify=modify
         )
         for output, value in zip(outputs, reduce(rescore(q.dtype), q_start, k_start, rescore), strict=True):
             output[:, :, q_start:q_stop] = value
